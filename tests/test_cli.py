@@ -1,0 +1,86 @@
+"""The CLI's contract: bad input gives one clear line on stderr and a non-zero exit."""
+
+import pytest
+
+from conftest import REPO, run_cli
+
+
+def error_line(proc) -> str:
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    return errors[0]
+
+
+def test_unknown_stage(tmp_path):
+    proc = run_cli("stage=distil", cwd=tmp_path)
+    assert proc.returncode == 2
+    line = error_line(proc)
+    assert "unknown stage 'distil'" in line and "generate" in line
+
+
+def test_missing_stage(tmp_path):
+    proc = run_cli(cwd=tmp_path)
+    assert proc.returncode == 2
+    assert "stage=<" in error_line(proc)
+
+
+def test_mistyped_key(tmp_path):
+    proc = run_cli("stage=generate", "generate.max_new_token=32", cwd=tmp_path)
+    assert proc.returncode == 2
+    assert "unknown config key 'generate.max_new_token'" in error_line(proc)
+
+
+def test_unknown_group_option(tmp_path):
+    proc = run_cli("stage=generate", "data=mtbenchh", cwd=tmp_path)
+    assert proc.returncode == 2
+    line = error_line(proc)
+    assert "mtbenchh" in line and "mtbench" in line
+
+
+def test_bad_value_type(tmp_path):
+    proc = run_cli("stage=generate", "data.limit=ten", cwd=tmp_path)
+    assert proc.returncode == 2
+    assert "data.limit" in error_line(proc)
+
+
+def test_missing_model(tmp_path):
+    proc = run_cli("stage=generate", "target=hf", "target.name_or_path=no-such-org/no-such-model",
+                   cwd=tmp_path, env={"HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 1
+    line = error_line(proc)
+    assert "no-such-org/no-such-model" in line and "not found" in line
+
+
+def test_missing_local_model_folder(tmp_path):
+    proc = run_cli("stage=generate", "target=hf", f"target.name_or_path={tmp_path}/nope", cwd=tmp_path)
+    assert proc.returncode == 1
+    assert "does not exist" in error_line(proc)
+
+
+@pytest.mark.parametrize("name, content", [
+    ("broken.jsonl", "{not json\n[1, 2\n"),
+    ("garbage.json", "\x00\x01 this is not json at all"),
+    ("wrong_shape.jsonl", '{"text": "no prompt, messages or conversations here"}\n'),
+])
+def test_malformed_data_file(tmp_path, tiny_target_dir, name, content):
+    data = tmp_path / name
+    data.write_text(content)
+    proc = run_cli("stage=generate", "target=hf", f"target.name_or_path={tiny_target_dir}",
+                   "data=file", f"data.path={data}", cwd=tmp_path)
+    assert proc.returncode == 1
+    line = error_line(proc)
+    assert str(data) in line and "no usable records" in line
+
+
+def test_missing_data_file(tmp_path, tiny_target_dir):
+    proc = run_cli("stage=generate", "target=hf", f"target.name_or_path={tiny_target_dir}",
+                   "data=file", f"data.path={tmp_path}/absent.jsonl", cwd=tmp_path)
+    assert proc.returncode == 1
+    assert "absent.jsonl does not exist" in error_line(proc)
+
+
+def test_cfg_job_prints_resolved_config(tmp_path):
+    proc = run_cli("--cfg", "job", "data=mtbench", "data.limit=8", "run=check", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "source: mtbench" in proc.stdout and "limit: 8" in proc.stdout and "run: check" in proc.stdout
