@@ -1,0 +1,183 @@
+"""Plain and speculative decoding over a target model, batch size 1 or more.
+
+The phases are free functions: `prefill` the prompts, then either `decode_one_token`
+repeatedly (plain) or `speculative_step` (draft, verify in one target pass, accept, roll the
+caches back). Both return a DecodeResult with the counts that τ and α are made of.
+
+Conventions: a row's committed sequence is prompt + emitted tokens. The target's cache
+holds all of it but the last token, which opens the next forward's chunk.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from pipeline.decode.drafters import Drafter
+from pipeline.decode.kv import SlotCache
+from pipeline.decode.sampling import accept_greedy, accept_sampling, process_logits, sample
+
+
+@dataclass
+class DecodeResult:
+    tokens: list[list[int]]
+    """Emitted tokens per row (an end-of-turn token included)."""
+    target_passes: list[int]
+    """Target forward passes each row took part in, the prefill included."""
+    proposed_by_position: list[int] = field(default_factory=list)
+    """How often draft position i was verified (every earlier position accepted)."""
+    accepted_by_position: list[int] = field(default_factory=list)
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens emitted per target pass (1.0 for plain decoding)."""
+        return sum(map(len, self.tokens)) / max(sum(self.target_passes), 1)
+
+    @property
+    def acceptance_by_position(self) -> list[float]:
+        return [a / p if p else 0.0 for a, p in zip(self.accepted_by_position, self.proposed_by_position)]
+
+
+def left_pad(prompts: list[list[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(p) for p in prompts)
+    tokens = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    valid = torch.zeros((len(prompts), width), dtype=torch.bool)
+    for row, p in enumerate(prompts):
+        tokens[row, width - len(p):] = torch.tensor(p, dtype=torch.long)
+        valid[row, width - len(p):] = True
+    return tokens.to(device), valid.to(device)  # [B, S], [B, S]
+
+
+def next_token(logits: torch.Tensor, temperature: float, top_p: float, generator) -> torch.Tensor:
+    """[B, V] -> [B]: argmax when greedy, else a sample from the processed distribution."""
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    return sample(process_logits(logits, temperature, top_p), generator)
+
+
+def prefill(kv: SlotCache, prompts: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Cache the prompts [B, S] (left-padded, valid [B, S]); logits for the first new token. [B, V]"""
+    return kv.forward(prompts, valid, logits_to_keep=1)[:, -1]
+
+
+def decode_one_token(kv: SlotCache, last: torch.Tensor) -> torch.Tensor:
+    """Cache `last` [B] and return the logits for the token after it. [B, V]"""
+    return kv.forward(last[:, None])[:, -1]
+
+
+class Rows:
+    """The rows still decoding: their committed sequences, outputs and stopping rules."""
+
+    def __init__(self, prompts: list[list[int]], max_new_tokens: int, eos_ids: set[int]):
+        self.seqs = [list(p) for p in prompts]
+        self.out: list[list[int]] = [[] for _ in prompts]
+        self.passes = [0] * len(prompts)
+        self.active = list(range(len(prompts)))  # original index of each live row
+        self.max_new_tokens, self.eos_ids = max_new_tokens, eos_ids
+
+    def emit(self, row: int, tokens: list[int]) -> bool:
+        """Append tokens to live row `row`, stopping at end-of-turn or the budget; True if finished."""
+        i = self.active[row]
+        self.passes[i] += 1
+        for t in tokens[: self.max_new_tokens - len(self.out[i])]:
+            self.out[i].append(t)
+            self.seqs[i].append(t)
+            if t in self.eos_ids:
+                return True
+        return len(self.out[i]) >= self.max_new_tokens
+
+    def live_seqs(self) -> list[list[int]]:
+        return [self.seqs[i] for i in self.active]
+
+    def drop(self, finished: list[bool]) -> Optional[torch.Tensor]:
+        """Forget finished rows; the indices of the rows that remain, or None if none finished."""
+        if not any(finished):
+            return None
+        keep = [r for r, done in enumerate(finished) if not done]
+        self.active = [self.active[r] for r in keep]
+        return torch.tensor(keep, dtype=torch.long)
+
+
+@torch.inference_mode()
+def plain_decode(
+    model, prompts: list[list[int]], *, max_new_tokens: int, eos_ids: set[int], pad_id: int,
+    temperature: float = 0.0, top_p: float = 1.0, generator: Optional[torch.Generator] = None,
+) -> DecodeResult:
+    device = next(model.parameters()).device
+    tokens, valid = left_pad(prompts, pad_id, device)
+    kv = SlotCache(model, len(prompts), device)
+    rows = Rows(prompts, max_new_tokens, eos_ids)
+    logits = prefill(kv, tokens, valid)
+    while True:
+        last = next_token(logits, temperature, top_p, generator)  # [B]
+        keep = rows.drop([rows.emit(r, [t]) for r, t in enumerate(last.tolist())])
+        if not rows.active:
+            break
+        if keep is not None:
+            kv.select_rows(keep.to(device))
+            last = last[keep.to(device)]
+        logits = decode_one_token(kv, last)
+    return DecodeResult(rows.out, rows.passes)
+
+
+def speculative_step(
+    kv: SlotCache, drafter: Drafter, rows: Rows, last: torch.Tensor, num_draft_tokens: int,
+    temperature: float, top_p: float, generator: Optional[torch.Generator],
+):
+    """Draft, verify with one target pass, accept, roll back. Returns (num_accepted, emitted, next_last)."""
+    proposal = drafter.propose(rows.live_seqs(), num_draft_tokens)
+    # Verify only as many positions as some row proposed: no match anywhere is a plain step.
+    k = int(proposal.num_proposed.max())
+    draft = proposal.tokens[:, :k]  # [B, K]
+    logits = kv.forward(torch.cat([last[:, None], draft], dim=1))  # [B, K+1, V]
+    if temperature == 0:
+        num_accepted, new = accept_greedy(draft, proposal.num_proposed, logits)
+    else:
+        p = process_logits(logits, temperature, top_p)
+        q = proposal.probs[:, :k]
+        num_accepted, new = accept_sampling(draft, proposal.num_proposed, q, p, generator)
+    # The target keeps `last` and the accepted drafts; the next chunk starts with `new`.
+    kv.keep_last(torch.arange(k + 1, device=draft.device)[None, :] <= num_accepted[:, None])
+    drafter.accepted(num_accepted)
+    return proposal.num_proposed, num_accepted, draft, new
+
+
+@torch.inference_mode()
+def speculative_decode(
+    model, drafter: Drafter, prompts: list[list[int]], *, num_draft_tokens: int, max_new_tokens: int,
+    eos_ids: set[int], pad_id: int, temperature: float = 0.0, top_p: float = 1.0,
+    generator: Optional[torch.Generator] = None,
+) -> DecodeResult:
+    """Lossless speculative decoding: greedy output equals the target's greedy output, and
+    sampled output is distributed as the target's (see sampling.accept_sampling)."""
+    device = next(model.parameters()).device
+    tokens, valid = left_pad(prompts, pad_id, device)
+    kv = SlotCache(model, len(prompts), device)
+    drafter.start(tokens, valid)
+    rows = Rows(prompts, max_new_tokens, eos_ids)
+    k = num_draft_tokens
+    proposed_at, accepted_at = [0] * k, [0] * k
+    # The prefill is the first target pass and yields the first token.
+    last = next_token(prefill(kv, tokens, valid), temperature, top_p, generator)
+    finished = [rows.emit(r, [t]) for r, t in enumerate(last.tolist())]
+    while True:
+        keep = rows.drop(finished)
+        if not rows.active:
+            break
+        if keep is not None:
+            keep = keep.to(device)
+            kv.select_rows(keep)
+            drafter.select_rows(keep)
+            last = last[keep]
+        num_proposed, num_accepted, draft, new = speculative_step(
+            kv, drafter, rows, last, k, temperature, top_p, generator)
+        finished = []
+        for r, (n_prop, n_acc) in enumerate(zip(num_proposed.tolist(), num_accepted.tolist())):
+            for i in range(min(n_acc + 1, n_prop)):  # position i was verified
+                proposed_at[i] += 1
+                accepted_at[i] += i < n_acc
+            finished.append(rows.emit(r, draft[r, :n_acc].tolist() + [int(new[r])]))
+        last = new
+    return DecodeResult(rows.out, rows.passes, proposed_at, accepted_at)

@@ -1,0 +1,163 @@
+"""The decoder's contract on tiny and stub models: lossless greedy, exact bookkeeping, edge cases."""
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from pipeline.decode import ModelDrafter, NgramDrafter, plain_decode, speculative_decode
+from pipeline.decode.drafters import lookup
+from pipeline.decode.kv import SlotCache
+
+VOCAB, EOS, PAD = 32, 31, 0
+
+
+class StubLM(torch.nn.Module):
+    """Logits fixed by a rule next_token(token, position): never random, never learned.
+
+    It ignores its KV cache, so only the decoder's slot bookkeeping is exercised.
+    """
+
+    def __init__(self, rule):
+        super().__init__()
+        self.rule = rule
+        self.config = LlamaConfig(vocab_size=VOCAB, hidden_size=8, num_hidden_layers=1,
+                                  num_attention_heads=1, num_key_value_heads=1)
+        self.anchor = torch.nn.Parameter(torch.zeros(1))  # gives the decoder a device
+        self.calls = []
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None, cache=None, use_cache=True,
+                logits_to_keep=0):
+        self.calls.append(input_ids.shape[1])
+        nxt = self.rule(input_ids, position_ids)  # [B, S]
+        logits = torch.full((*input_ids.shape, VOCAB), -10.0)
+        logits.scatter_(2, nxt[..., None], 10.0)
+        if logits_to_keep:
+            logits = logits[:, -logits_to_keep:]
+        return type("Out", (), {"logits": logits})()
+
+
+def count_up(ids, pos):  # the target: t -> t + 1, EOS after 20 (never emits PAD)
+    return torch.where(ids >= 20, torch.full_like(ids, EOS), ids % 30 + 1)
+
+
+def count_up_by_two(ids, pos):
+    return (ids + 2) % 30 + 1
+
+
+def wrong_at_every_third_position(ids, pos):
+    return torch.where(pos % 3 == 2, (ids + 5) % 30 + 1, count_up(ids, pos))
+
+
+def run(target_rule, drafter, prompts, k, max_new_tokens=40):
+    target = StubLM(target_rule)
+    result = speculative_decode(target, drafter, prompts, num_draft_tokens=k, max_new_tokens=max_new_tokens,
+                                eos_ids={EOS}, pad_id=PAD)
+    plain = plain_decode(StubLM(target_rule), prompts, max_new_tokens=max_new_tokens, eos_ids={EOS}, pad_id=PAD)
+    return result, plain, target
+
+
+def test_always_accepting_draft_emits_k_plus_one_tokens_per_pass():
+    result, plain, target = run(count_up, ModelDrafter(StubLM(count_up)), [[1, 2]], k=4)
+    assert result.tokens == plain.tokens == [list(range(3, 21)) + [EOS]]  # 19 tokens
+    # Prefill gives 1 token, then each pass 5: 1 + 5 + 5 + 5 + (3, stopped by EOS) = 19 in 5 passes.
+    assert result.target_passes == [5]
+    assert target.calls == [2, 5, 5, 5, 5]
+    assert result.acceptance_by_position == [1.0, 1.0, 1.0, 1.0]
+
+
+def test_never_accepting_draft_still_emits_one_target_token_per_pass():
+    result, plain, _ = run(count_up, ModelDrafter(StubLM(count_up_by_two)), [[1, 2]], k=3)
+    assert result.tokens == plain.tokens
+    assert result.target_passes == [len(plain.tokens[0])]  # tau == 1
+    assert result.acceptance_by_position == [0.0, 0.0, 0.0]
+    assert result.proposed_by_position[1:] == [0, 0]  # later positions are never reached
+
+
+def test_partially_accepting_draft():
+    result, plain, _ = run(count_up, ModelDrafter(StubLM(wrong_at_every_third_position)), [[1, 2]], k=4)
+    assert result.tokens == plain.tokens
+    alphas = result.acceptance_by_position
+    assert 0 < alphas[0] < 1 and result.tau > 1.0
+
+
+def test_eos_inside_an_accepted_chunk_ends_the_output():
+    # The draft agrees with the target, so the chunk that contains EOS is accepted whole;
+    # nothing after EOS may be emitted.
+    result, plain, _ = run(count_up, ModelDrafter(StubLM(count_up)), [[17]], k=6)
+    assert result.tokens == [[18, 19, 20, EOS]] == plain.tokens
+
+
+def test_max_new_tokens_inside_a_chunk():
+    result, plain, _ = run(count_up, ModelDrafter(StubLM(count_up)), [[1]], k=5, max_new_tokens=7)
+    assert result.tokens == plain.tokens == [[2, 3, 4, 5, 6, 7, 8]]
+
+
+def test_rows_of_a_batch_accept_different_lengths():
+    prompts = [[1, 2], [5], [3, 4, 5, 6], [18]]  # left padding, different lengths, one early EOS
+    drafter = ModelDrafter(StubLM(wrong_at_every_third_position))
+    result, plain, _ = run(count_up, drafter, prompts, k=3)
+    assert result.tokens == plain.tokens
+    assert result.tokens[3] == [19, 20, EOS]
+
+
+def test_ngram_lookup_prefers_the_longest_latest_match():
+    seq = [1, 2, 3, 9, 1, 2, 3, 7, 5, 2, 3]
+    assert lookup(seq, 2, max_ngram=3, min_ngram=1) == [7, 5]  # "2 3" last seen before 7
+    assert lookup([4, 5, 6], 3, max_ngram=3, min_ngram=1) == []
+    assert lookup([1, 2, 1], 3, max_ngram=2, min_ngram=1) == [2, 1]
+
+
+def test_ngram_drafter_on_a_repeating_target():
+    # The target repeats a cycle, which prompt lookup predicts perfectly once it has seen it.
+    cycle = lambda ids, pos: torch.where(ids >= 6, torch.ones_like(ids), ids + 1)
+    result, plain, _ = run(cycle, NgramDrafter(), [[1, 2, 3, 4, 5, 6, 1]], k=4, max_new_tokens=30)
+    assert result.tokens == plain.tokens
+    assert result.tau > 4.0
+
+
+def tiny_llama(seed, layers=2, vocab=VOCAB):
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    return LlamaForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+@pytest.mark.parametrize("drafter_kind", ["ngram", "draft_model", "self"])
+def test_greedy_output_equals_plain_decoding_on_a_tiny_llama(k, drafter_kind):
+    target = tiny_llama(0)
+    prompts = [[3, 7, 1, 9, 3, 7], [5, 2], [8, 8, 8, 1, 2, 3, 4, 5, 6, 7, 8]]
+    drafter = {"ngram": lambda: NgramDrafter(), "draft_model": lambda: ModelDrafter(tiny_llama(1, layers=1)),
+               "self": lambda: ModelDrafter(target)}[drafter_kind]()
+    spec = speculative_decode(target, drafter, prompts, num_draft_tokens=k, max_new_tokens=30,
+                              eos_ids={EOS}, pad_id=PAD)
+    for row, prompt in enumerate(prompts):
+        alone = plain_decode(target, [prompt], max_new_tokens=30, eos_ids={EOS}, pad_id=PAD)
+        assert spec.tokens[row] == alone.tokens[0]
+    if drafter_kind == "self":  # a draft identical to the target accepts everything
+        assert all(a == 1.0 for a in spec.acceptance_by_position)
+
+
+def test_plain_decoding_equals_hf_generate_on_a_tiny_llama():
+    target = tiny_llama(0)
+    prompt = [3, 7, 1, 9]
+    ours = plain_decode(target, [prompt], max_new_tokens=25, eos_ids={EOS}, pad_id=PAD).tokens[0]
+    with torch.inference_mode():
+        hf = target.generate(torch.tensor([prompt]), max_new_tokens=25, do_sample=False,
+                             eos_token_id=EOS, pad_token_id=PAD)[0, len(prompt):].tolist()
+    assert ours == hf[: hf.index(EOS) + 1] if EOS in hf else ours == hf
+
+
+def test_in_place_cache_matches_a_full_forward_after_crops_and_row_selection():
+    model = tiny_llama(0)
+    kv = SlotCache(model, 2, torch.device("cpu"))
+    seqs = torch.tensor([[1, 2, 3, 4, 5, 6, 7], [9, 8, 7, 6, 5, 4, 3]])
+    with torch.inference_mode():
+        kv.forward(seqs[:, :3])
+        kv.forward(seqs[:, 3:6])
+        kv.keep_last(torch.tensor([[True, False, False], [True, True, False]]))  # row 0 keeps 1 of 3
+        assert kv.lengths.tolist() == [4, 5]
+        kv.select_rows(torch.tensor([1]))
+        logits = kv.forward(seqs[1:, 5:7])
+        full = model(seqs[1:, :7]).logits
+    torch.testing.assert_close(logits, full[:, 5:7], atol=1e-5, rtol=1e-4)

@@ -1,0 +1,121 @@
+"""Speculative sampling emits tokens distributed exactly as the target's own samples.
+
+Each distribution test compares counts with the exact target distribution by a chi-square
+test, and first shows that the same number of samples rejects a distribution 2% (in total
+variation) away from the truth, so a pass means something.
+"""
+
+import itertools
+
+import pytest
+import torch
+from scipy.stats import chisquare
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from pipeline.decode import ModelDrafter, NgramDrafter, speculative_decode
+from pipeline.decode.sampling import accept_sampling, process_logits
+
+VOCAB = 6
+P_VALUE = 1e-3  # fixed seeds make every test deterministic; this is the bar each must clear
+
+
+def sharp_llama(seed: int, scale: float) -> LlamaForCausalLM:
+    """A tiny Llama whose next-token distributions are far from uniform (and far from another seed's)."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=False)
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(scale)
+    return model
+
+
+def shifted_by_tv(p: torch.Tensor, tv: float) -> torch.Tensor:
+    """A distribution at total-variation distance `tv` from p, moving mass between its two
+    largest outcomes: the direction a chi-square test is least sensitive to."""
+    first, second = p.topk(2).indices
+    q = p.clone()
+    q[first] -= tv
+    q[second] += tv
+    return q
+
+
+def assert_matches(counts: torch.Tensor, probs: torch.Tensor, what: str) -> None:
+    n = counts.sum().item()
+    keep = probs > 0
+    assert counts[~keep].sum() == 0, f"{what}: a zero-probability outcome was emitted"
+    observed = counts[keep].double()
+    truth = probs[keep].double() / probs[keep].double().sum()
+    # Power check: the same sample size must reject a 2% error.
+    wrong = shifted_by_tv(truth, 0.02)
+    assert chisquare(observed, wrong * n).pvalue < P_VALUE, f"{what}: too few samples to see a 2% error"
+    assert chisquare(observed, truth * n).pvalue > P_VALUE, what
+
+
+def exact_distribution(model, prompt: list[int], length: int, temperature: float, top_p: float) -> torch.Tensor:
+    """P(first `length` emitted tokens) under the target's processed distribution, by enumeration."""
+    seqs = list(itertools.product(range(VOCAB), repeat=length))
+    ids = torch.tensor([prompt + list(s) for s in seqs])
+    with torch.inference_mode():
+        probs = process_logits(model(ids).logits, temperature, top_p)  # [N, P+L, V]
+    joint = torch.ones(len(seqs))
+    for i in range(length):
+        joint *= probs[:, len(prompt) - 1 + i].gather(1, ids[:, len(prompt) + i, None]).squeeze(1)
+    return joint.double()  # indexed like itertools.product
+
+
+def test_accept_sampling_emits_p_for_any_q():
+    gen = torch.Generator().manual_seed(0)
+    p = torch.softmax(torch.randn(VOCAB, generator=gen) * 2, dim=0)
+    q = torch.softmax(torch.randn(VOCAB, generator=gen) * 2, dim=0)
+    n = 60_000
+    draft = torch.multinomial(q, n, replacement=True, generator=gen)[:, None]  # [N, 1] sampled from q
+    num_accepted, nxt = accept_sampling(draft, torch.ones(n, dtype=torch.long), q.expand(n, 1, VOCAB),
+                                        p.expand(n, 2, VOCAB), gen)
+    emitted_first = torch.where(num_accepted == 1, draft[:, 0], nxt)
+    assert_matches(torch.bincount(emitted_first, minlength=VOCAB), p, "first token")
+    # The acceptance rate is sum(min(p, q)) = 1 - TV(p, q).
+    assert abs(num_accepted.double().mean() - torch.minimum(p, q).sum()) < 0.01
+
+
+def test_top_p_keeps_the_smallest_prefix_reaching_p():
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    torch.testing.assert_close(process_logits(logits, 1.0, 0.7), torch.tensor([0.625, 0.375, 0.0, 0.0]))
+    torch.testing.assert_close(process_logits(logits, 1.0, 0.5), torch.tensor([1.0, 0.0, 0.0, 0.0]))
+    torch.testing.assert_close(process_logits(logits, 1.0, 1.0), torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    hot = process_logits(logits, 2.0)
+    torch.testing.assert_close(hot, torch.softmax(logits / 2.0, dim=0))
+
+
+@pytest.mark.parametrize("drafter_kind, k, temperature, top_p", [
+    ("draft_model", 2, 1.0, 1.0),
+    ("draft_model", 4, 0.7, 0.9),
+    ("ngram", 3, 1.0, 1.0),
+])
+def test_speculative_sampling_matches_the_target_distribution(drafter_kind, k, temperature, top_p):
+    target = sharp_llama(0, scale=15.0)
+    # The target's own greedy continuation of [1, 4], then [1, 4] again: prompt lookup
+    # proposes that continuation, which the target accepts often but not always.
+    with torch.inference_mode():
+        start = target.generate(torch.tensor([[1, 4]]), max_new_tokens=3, do_sample=False)[0].tolist()
+    prompt = start + [1, 4]
+    length, n = 3, 24_000
+    gen = torch.Generator().manual_seed(1)
+    drafter = (ModelDrafter(sharp_llama(7, scale=15.0), temperature, top_p, gen) if drafter_kind == "draft_model"
+               else NgramDrafter(temperature=temperature, vocab_size=VOCAB))
+    # One batch of n identical prompts: rows are independent samples that accept different lengths.
+    out = speculative_decode(target, drafter, [prompt] * n, num_draft_tokens=k, max_new_tokens=length,
+                             eos_ids=set(), pad_id=0, temperature=temperature, top_p=top_p, generator=gen)
+    # Both kinds of step must be common: runs of accepted drafts, and rejections with residual sampling.
+    accepted, proposed = out.accepted_by_position, out.proposed_by_position
+    assert accepted[1] > n / 20 and proposed[0] - accepted[0] > n / 20, (proposed, accepted)
+    seqs = torch.tensor(out.tokens)  # [N, length]
+    index = (seqs * torch.tensor([VOCAB ** (length - 1 - i) for i in range(length)])).sum(1)
+    joint = torch.bincount(index, minlength=VOCAB ** length)
+    exact = exact_distribution(target, prompt, length, temperature, top_p)
+    for i in range(length):  # each position's marginal
+        marginal = exact.reshape([VOCAB] * length).sum(dim=tuple(j for j in range(length) if j != i))
+        assert_matches(torch.bincount(seqs[:, i], minlength=VOCAB), marginal, f"token {i + 1}")
+    # The joint of the first two tokens (36 outcomes).
+    pairs = joint.reshape(VOCAB * VOCAB, VOCAB).sum(1)
+    assert_matches(pairs, exact.reshape(VOCAB * VOCAB, VOCAB).sum(1), "tokens 1-2")
