@@ -6,7 +6,7 @@ NUM_PROCESSES ?= 2
 # Extra Hydra overrides for the pipeline targets, e.g. make demo ARGS="generate.batch_size=32"
 ARGS ?=
 
-.PHONY: setup demo test test-fast bench-generate generate-multi clean
+.PHONY: setup demo test test-fast bench bench-generate generate-multi clean
 
 setup: $(VENV)/.installed
 
@@ -28,6 +28,10 @@ test: setup
 
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow"
+
+# Our decoder vs HF generate / prompt lookup / assisted generation, same prompts and drafts.
+bench: setup
+	$(PY) benchmarks/bench_eval.py $(ARGS)
 
 bench-generate: setup
 	$(PY) benchmarks/bench_generate.py

@@ -12,7 +12,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from pipeline.config import Config, register_configs, to_config
-from pipeline import data
+from pipeline import data, eval as evaluation
 from pipeline.errors import PipelineError
 
 log = logging.getLogger("pipeline")
@@ -21,6 +21,7 @@ CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 # Every stage, in pipeline order; `stage=all` runs them all.
 STAGES: dict[str, Callable[[Config], Path]] = {
     "generate": data.run,
+    "eval": evaluation.run,
 }
 
 register_configs()
@@ -33,14 +34,19 @@ def fail(message: str, code: int = 1) -> None:
 
 def run_stages(cfg: Config) -> None:
     if cfg.stage == "all":
-        names = list(STAGES)
+        # Each stage gets its own defaults (conf/stage/<name>.yaml) under the user's overrides.
+        from hydra import compose
+        from hydra.core.hydra_config import HydraConfig
+
+        overrides = [o for o in HydraConfig.get().overrides.task if not o.startswith("stage=")]
+        configs = [(name, to_config(compose("config", overrides=[f"stage={name}", *overrides]))) for name in STAGES]
     elif cfg.stage in STAGES:
-        names = [cfg.stage]
+        configs = [(cfg.stage, cfg)]
     else:
         fail(f"unknown stage {cfg.stage!r}; choose one of: {', '.join([*STAGES, 'all'])}", code=2)
-    for name in names:
-        log.info("stage %s, run %s", name, cfg.run)
-        out = STAGES[name](cfg)
+    for name, stage_cfg in configs:
+        log.info("stage %s, run %s", name, stage_cfg.run)
+        out = STAGES[name](stage_cfg)
         log.info("stage %s finished: %s", name, out)
 
 
@@ -98,6 +104,8 @@ def check_overrides(argv: list[str]) -> None:
         if isinstance(e, MissingConfigException) and e.options is not None:
             group, _, name = (e.missing_cfg_file or "").rpartition("/")
             choices = ", ".join(o for o in e.options if not o.startswith("base_"))
+            if group == "stage":
+                fail(f"unknown stage {name!r}; choose one of: {choices}", code=2)
             fail(f"no {group} config named {name!r}; choose one of: {choices}", code=2)
         if key:
             fail(f"bad value for {key}: {str(getattr(cause, 'msg', None) or cause).splitlines()[0]}", code=2)

@@ -116,6 +116,50 @@ class GenerateConfig:
 
 
 @dataclass
+class EvalConfig:
+    """The eval stage: acceptance and speed of every drafter against plain decoding."""
+
+    max_new_tokens: int = 256
+    """Longest answer per turn."""
+    temperature: float = 0.0
+    """0 is greedy (outputs are then checked token for token against plain decoding)."""
+    top_p: float = 1.0
+    num_draft_tokens: str = "auto"
+    """auto (the sweep value with the highest measured tokens/s) or a fixed number."""
+    sweep: list[int] = field(default_factory=lambda: [1, 2, 3, 4, 6])
+    """num_draft_tokens values measured for each drafter (with num_draft_tokens=auto)."""
+    sweep_prompts: int = 3
+    """Conversations (every turn) the sweep runs on; the chosen value then runs on all of them."""
+    batch_size: int = 1
+    """Prompts decoded together (speed is reported per batch size; 1 is the standard)."""
+    draft: Optional[str] = None
+    """Another draft model folder (save_pretrained, same vocabulary) to measure as draft_model."""
+    ngram: bool = True
+    """Measure prompt-lookup (ngram) drafting."""
+    ngram_max: int = 3
+    ngram_min: int = 2
+    """Prompt lookup matches the last ngram_max..ngram_min tokens."""
+    compare_hf: bool = False
+    """Also run HF assisted generation and prompt lookup with the same drafts and num_draft_tokens."""
+
+    def __post_init__(self) -> None:
+        if self.num_draft_tokens != "auto" and not (str(self.num_draft_tokens).isdigit() and int(self.num_draft_tokens) > 0):
+            raise ValueError(f"eval.num_draft_tokens must be auto or a positive integer, got {self.num_draft_tokens!r}")
+        for name in ("max_new_tokens", "sweep_prompts", "batch_size", "ngram_max", "ngram_min"):
+            _check_positive(f"eval.{name}", getattr(self, name))
+        if not self.sweep or min(self.sweep) < 1:
+            raise ValueError(f"eval.sweep needs positive values, got {self.sweep}")
+        if self.temperature < 0 or not 0.0 < self.top_p <= 1.0:
+            raise ValueError("eval.temperature must be >= 0 and eval.top_p in (0, 1]")
+        if self.ngram_min > self.ngram_max:
+            raise ValueError("eval.ngram_min must be <= eval.ngram_max")
+
+    @property
+    def fixed_num_draft_tokens(self) -> Optional[int]:
+        return None if self.num_draft_tokens == "auto" else int(self.num_draft_tokens)
+
+
+@dataclass
 class LoggerConfig:
     """Where stages log their metrics."""
 
@@ -133,7 +177,7 @@ class LoggerConfig:
 @dataclass
 class Config:
     stage: str = MISSING
-    """The stage to run (see `python -m pipeline stage=help`)."""
+    """The stage to run; set by choosing a `conf/stage/<name>.yaml` (stage=<name>)."""
     run: str = "default"
     """Run name: every stage reads and writes `<runs_dir>/<run>/`."""
     runs_dir: str = "runs"
@@ -141,6 +185,7 @@ class Config:
     target: TargetConfig = MISSING
     data: DataConfig = MISSING
     generate: GenerateConfig = field(default_factory=GenerateConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     logger: LoggerConfig = MISSING
 
 

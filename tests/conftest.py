@@ -96,7 +96,8 @@ def compose_config(*overrides: str, stage: str = "generate"):
     from pipeline.config import to_config
 
     with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
-        cfg = compose(config_name="config", overrides=[f"stage={stage}", *overrides])
+        chosen = [] if any(o.startswith("stage=") for o in overrides) else [f"stage={stage}"]
+        cfg = compose(config_name="config", overrides=[*chosen, *overrides])
     return to_config(cfg)
 
 

@@ -9,7 +9,7 @@ from pipeline.__main__ import CONF_DIR, STAGES
 from conftest import compose_config
 from pipeline.config import Config, to_config
 
-GROUPS = ["target", "data", "logger", "experiment"]
+GROUPS = ["target", "data", "logger", "stage", "experiment"]
 # Options whose mandatory value (???) the user must give on the command line.
 REQUIRED = {
     "target=hf": ["target.name_or_path=some/model"],
@@ -77,6 +77,16 @@ def test_stages_table_is_complete():
         assert callable(run), name
         assert run.__module__.startswith(pipeline.__name__ + ".")
     assert "all" not in STAGES  # `all` is the pipeline order, not a stage
+    stage_yamls = {p.stem for p in (Path(CONF_DIR) / "stage").glob("*.yaml")}
+    assert stage_yamls == {*STAGES, "all"}
+    for name in stage_yamls:
+        assert compose_config(stage=name).stage == name
+
+
+def test_each_stage_has_its_own_data_default_and_overrides_win():
+    assert compose_config(stage="generate").data.source == "sharegpt"
+    assert compose_config(stage="eval").data.source == "mtbench"
+    assert compose_config("data=sharegpt", stage="eval").data.source == "sharegpt"
 
 
 def test_resolved_config_round_trips():

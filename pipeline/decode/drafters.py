@@ -47,7 +47,7 @@ class NgramDrafter:
 
     name = "ngram"
 
-    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, temperature: float = 0.0, vocab_size: int = 0):
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 2, temperature: float = 0.0, vocab_size: int = 0):
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
         self.temperature, self.vocab_size = temperature, vocab_size
 

@@ -1,0 +1,290 @@
+"""Run one decoding method over multi-turn prompts and measure it: tokens/s, τ, α, per category.
+
+Every method decodes the same conversations turn by turn; a later turn continues from the
+method's own earlier answers (identical across methods when greedy decoding is lossless).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+
+from pipeline.data.chat import first_prompt_ids, next_turn_ids
+from pipeline.data.sources import Conversation
+from pipeline.decode import DecodeResult, ModelDrafter, NgramDrafter, plain_decode, speculative_decode
+
+Decode = Callable[[list[list[int]]], DecodeResult]
+HF_METHODS = ("hf_generate", "hf_prompt_lookup", "hf_assisted")
+
+
+@dataclass
+class Settings:
+    """What every method shares: the target, the stopping rule and the sampling rule."""
+
+    model: torch.nn.Module
+    tokenizer: object
+    eos_ids: set[int]
+    max_new_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+    ngram_max: int = 3
+    ngram_min: int = 2
+
+    @property
+    def pad_id(self) -> int:
+        return self.tokenizer.pad_token_id
+
+
+@dataclass
+class Counts:
+    tokens: int = 0
+    seconds: float = 0.0
+    target_passes: int = 0
+    answers: int = 0
+
+    def add(self, tokens: int, seconds: float, passes: int) -> None:
+        self.tokens += tokens
+        self.seconds += seconds
+        self.target_passes += passes
+        self.answers += 1
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+    @property
+    def tau(self) -> Optional[float]:
+        return self.tokens / self.target_passes if self.target_passes else None
+
+
+@dataclass
+class Measurement:
+    drafter: str
+    num_draft_tokens: Optional[int]
+    total: Counts = field(default_factory=Counts)
+    per_category: dict[str, Counts] = field(default_factory=lambda: defaultdict(Counts))
+    proposed_by_position: list[int] = field(default_factory=list)
+    accepted_by_position: list[int] = field(default_factory=list)
+    outputs: dict[str, list[list[int]]] = field(default_factory=dict)
+    """conversation id -> emitted tokens of each turn."""
+    contexts: dict[str, list[list[int]]] = field(default_factory=dict)
+    """conversation id -> the context each turn was decoded from."""
+
+    @property
+    def acceptance_by_position(self) -> list[float]:
+        return [a / p if p else 0.0 for a, p in zip(self.accepted_by_position, self.proposed_by_position)]
+
+    @property
+    def proposal_rate(self) -> float:
+        """Share of verification passes with at least one proposal (below 1 when prompt lookup finds no match)."""
+        steps = self.total.target_passes - self.total.answers  # every answer's first pass is its prefill
+        return self.proposed_by_position[0] / steps if steps > 0 and self.proposed_by_position else 0.0
+
+
+def make_decode(drafter: str, settings: Settings, num_draft_tokens: Optional[int] = None,
+                draft_model: Optional[torch.nn.Module] = None) -> Decode:
+    """A function prompts -> DecodeResult for one method at one num_draft_tokens."""
+    s = settings
+    common = dict(max_new_tokens=s.max_new_tokens, eos_ids=s.eos_ids, pad_id=s.pad_id,
+                  temperature=s.temperature, top_p=s.top_p)
+    generator = torch.Generator(device=next(s.model.parameters()).device).manual_seed(s.seed)
+    if drafter == "plain":
+        return lambda prompts: plain_decode(s.model, prompts, generator=generator, **common)
+    if drafter == "ngram":
+        vocab = s.model.config.vocab_size
+        return lambda prompts: speculative_decode(
+            s.model, NgramDrafter(s.ngram_max, s.ngram_min, s.temperature, vocab), prompts,
+            num_draft_tokens=num_draft_tokens, generator=generator, **common)
+    if drafter == "draft_model":
+        return lambda prompts: speculative_decode(
+            s.model, ModelDrafter(draft_model, s.temperature, s.top_p, generator), prompts,
+            num_draft_tokens=num_draft_tokens, generator=generator, **common)
+    if drafter in HF_METHODS:
+        return hf_decode(drafter, settings, num_draft_tokens, draft_model)
+    raise ValueError(f"unknown drafter {drafter!r}")
+
+
+def hf_decode(kind: str, settings: Settings, num_draft_tokens: Optional[int], draft_model) -> Decode:
+    """transformers' own generate (batch 1): plain, prompt lookup, or assisted with a draft model."""
+    from transformers import GenerationConfig
+
+    s = settings
+    extra = {}
+    if kind == "hf_prompt_lookup":
+        extra = dict(prompt_lookup_num_tokens=num_draft_tokens, max_matching_ngram_size=s.ngram_max)
+    elif kind == "hf_assisted":
+        # The same fixed number of draft tokens per step as ours, no early stop on confidence.
+        extra = dict(num_assistant_tokens=num_draft_tokens, num_assistant_tokens_schedule="constant",
+                     assistant_confidence_threshold=0.0)
+    sampling = dict(do_sample=True, temperature=s.temperature, top_p=s.top_p, top_k=0) if s.temperature > 0 \
+        else dict(do_sample=False)
+    config = GenerationConfig(max_new_tokens=s.max_new_tokens, eos_token_id=sorted(s.eos_ids), pad_token_id=s.pad_id,
+                              **sampling, **extra)
+    assistant = dict(assistant_model=draft_model) if kind == "hf_assisted" else {}
+
+    def decode(prompts: list[list[int]]) -> DecodeResult:
+        tokens = []
+        for prompt in prompts:
+            ids = torch.tensor([prompt], device=next(s.model.parameters()).device)
+            with torch.inference_mode():
+                out = s.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=config,
+                                       **assistant)
+            new = out[0, ids.shape[1]:].tolist()
+            tokens.append(new[: next((i + 1 for i, t in enumerate(new) if t in s.eos_ids), len(new))])
+        return DecodeResult(tokens, target_passes=[0] * len(prompts))  # HF does not report its passes
+
+    return decode
+
+
+def _sync(model) -> None:
+    if next(model.parameters()).is_cuda:
+        torch.cuda.synchronize()
+
+
+@dataclass
+class Method:
+    decode: Decode
+    drafter: str
+    num_draft_tokens: Optional[int] = None
+
+
+def measure(
+    methods: dict[str, Method], conversations: list[Conversation], settings: Settings, *,
+    batch_size: int = 1, max_turns: Optional[int] = None, on_step: Optional[Callable[[int], None]] = None,
+) -> dict[str, Measurement]:
+    """Decode every turn of every conversation with every method and time only the decoding.
+
+    The methods take turns on each batch of prompts, in rotating order, so that a slow
+    stretch of a shared or throttled machine hits every method alike.
+    """
+    tok = settings.tokenizer
+    results = {name: Measurement(drafter=m.drafter, num_draft_tokens=m.num_draft_tokens) for name, m in methods.items()}
+    answers = {name: {c.id: [] for c in conversations} for name in methods}
+    for r in results.values():
+        for c in conversations:
+            r.outputs[c.id], r.contexts[c.id] = [], []
+    turns = max(len(c.user_turns) for c in conversations)
+    order = list(methods)
+    for turn in range(min(turns, max_turns or turns)):
+        live = [c for c in conversations if turn < len(c.user_turns)]
+        for start in range(0, len(live), batch_size):
+            batch = live[start : start + batch_size]
+            for name in order:
+                _measure_batch(methods[name].decode, results[name], answers[name], batch, turn, settings)
+                if on_step:
+                    on_step(len(batch))
+            order = order[1:] + order[:1]
+    return results
+
+
+def _measure_batch(decode: Decode, m: Measurement, answers: dict[str, list[str]], batch: list[Conversation],
+                   turn: int, s: Settings) -> None:
+    tok = s.tokenizer
+    contexts = []
+    for c in batch:
+        if turn == 0:
+            contexts.append(first_prompt_ids(tok, c))
+        else:  # continue from this method's own earlier answer
+            prev_context, prev_out = m.contexts[c.id][-1], m.outputs[c.id][-1]
+            last = prev_out[-1] if prev_out else prev_context[-1]
+            contexts.append(prev_context + prev_out + next_turn_ids(tok, c, turn, answers[c.id], last, s.eos_ids))
+    _sync(s.model)
+    t0 = time.perf_counter()
+    result = decode(contexts)
+    _sync(s.model)
+    seconds = time.perf_counter() - t0
+    emitted = sum(len(t) for t in result.tokens)
+    for c, context, out, passes in zip(batch, contexts, result.tokens, result.target_passes):
+        m.contexts[c.id].append(context)
+        m.outputs[c.id].append(out)
+        answers[c.id].append(tok.decode(out, skip_special_tokens=True))
+        # In a batch, each row is charged the batch time in proportion to its tokens.
+        share = seconds * len(out) / emitted if emitted else 0.0
+        m.total.add(len(out), share, passes)
+        m.per_category[c.category or "uncategorized"].add(len(out), share, passes)
+    _add_positions(m, result)
+
+
+def _add_positions(m: Measurement, result: DecodeResult) -> None:
+    for name in ("proposed_by_position", "accepted_by_position"):
+        mine, theirs = getattr(m, name), getattr(result, name)
+        mine.extend([0] * (len(theirs) - len(mine)))
+        for i, n in enumerate(theirs):
+            mine[i] += n
+
+
+@dataclass
+class Divergence:
+    conversation: str
+    turn: int
+    position: int
+    tie: bool
+    """The target's two best logits at the first differing position are equal within 1e-4."""
+
+
+@torch.inference_mode()
+def greedy_divergences(model, reference: Measurement, other: Measurement) -> list[Divergence]:
+    """Where `other`'s greedy outputs differ from `reference`'s (later turns of a diverged
+    conversation are not compared: their contexts differ)."""
+    found = []
+    for conv, turns in reference.outputs.items():
+        for turn, (want, got) in enumerate(zip(turns, other.outputs[conv])):
+            if want == got:
+                continue
+            i = next((j for j, (a, b) in enumerate(zip(want, got)) if a != b), min(len(want), len(got)))
+            context = reference.contexts[conv][turn] + want[:i]
+            logits = model(torch.tensor([context], device=next(model.parameters()).device)).logits[0, -1]
+            top2 = logits.float().topk(2).values
+            found.append(Divergence(conv, turn, i, bool(top2[0] - top2[1] < 1e-4)))
+            break
+    return found
+
+
+@torch.inference_mode()
+def forward_seconds(model, new_tokens: int, context: int = 128, reps: int = 7) -> float:
+    """Median time of one forward of `new_tokens` tokens after a cached `context`."""
+    from pipeline.decode.kv import SlotCache
+
+    device = next(model.parameters()).device
+    vocab = model.config.vocab_size
+    gen = torch.Generator().manual_seed(0)
+    kv = SlotCache(model, 1, device)
+    kv.forward(torch.randint(0, vocab, (1, context), generator=gen).to(device), logits_to_keep=1)
+    chunk = torch.randint(0, vocab, (1, new_tokens), generator=gen).to(device)
+    times = []
+    for _ in range(reps):
+        _sync(model)
+        t0 = time.perf_counter()
+        kv.forward(chunk)
+        _sync(model)
+        times.append(time.perf_counter() - t0)
+        kv.keep_last(torch.zeros((1, new_tokens), dtype=torch.bool, device=device))
+    return sorted(times)[reps // 2]
+
+
+def expected_tokens_per_pass(acceptance_by_position: list[float], proposal_rate: float = 1.0) -> float:
+    """1 + r * sum_i prod_{j<=i} alpha_j: the target's own token plus the expected accepted run,
+    on the share r of passes that carry a proposal."""
+    run, accepted = 1.0, 0.0
+    for alpha in acceptance_by_position:
+        run *= alpha
+        accepted += run
+    return 1.0 + proposal_rate * accepted
+
+
+def predicted_speedup(acceptance_by_position: list[float], draft_cost: float, verify_cost: float,
+                      proposal_rate: float = 1.0) -> float:
+    """Tokens per unit of target time over plain decoding's one token per pass.
+
+    draft_cost c: one draft forward / one target forward; verify_cost v: one target forward of
+    k+1 tokens / one of a single token (close to 1 on GPUs, more on small CPUs); a pass
+    without a proposal costs 1:  (1 + r * sum_i prod_j alpha_j) / (1 + r * (v - 1) + k * c).
+    """
+    k = len(acceptance_by_position)
+    cost = 1.0 + proposal_rate * (verify_cost - 1.0) + k * draft_cost
+    return expected_tokens_per_pass(acceptance_by_position, proposal_rate) / cost

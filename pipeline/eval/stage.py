@@ -1,0 +1,243 @@
+"""The eval stage: acceptance and real speedup of every drafter, measured in one process.
+
+Output (`runs/<run>/eval/`): report.json, report.md, acceptance_by_position.png,
+speedup_vs_k.png, per_category.png, manifest.json.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+from tqdm.auto import tqdm
+
+from pipeline.config import Config
+from pipeline.data.chat import eos_token_ids, first_prompt_ids
+from pipeline.data.sources import load_conversations
+from pipeline.errors import PipelineError
+from pipeline.eval.measure import (
+    Measurement, Method, Settings, forward_seconds, greedy_divergences, make_decode, measure, predicted_speedup,
+)
+from pipeline.eval.report import write_report
+from pipeline.models import Target, load_target
+from pipeline.runs import MANIFEST, hash_tree, read_manifest, stage_dir, write_manifest
+from pipeline.tracking import start_tracker
+
+log = logging.getLogger(__name__)
+STAGE = "eval"
+HF_EQUIVALENT = {"ngram": "hf_prompt_lookup", "draft_model": "hf_assisted"}
+
+
+def load_draft(path: Path, target: Target) -> torch.nn.Module:
+    """A separate draft model from a save_pretrained folder (safetensors), on the target's device and dtype."""
+    from transformers import AutoModelForCausalLM
+
+    if not path.is_dir():
+        raise PipelineError(f"draft folder {path} does not exist")
+    dtype = next(target.model.parameters()).dtype
+    try:
+        draft = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, use_safetensors=True, trust_remote_code=False)
+    except (OSError, ValueError) as e:
+        raise PipelineError(f"cannot load a draft model from {path}: {str(e).strip().splitlines()[0]}") from None
+    if draft.config.vocab_size != target.model.config.vocab_size:
+        raise PipelineError(
+            f"draft {path} has a vocabulary of {draft.config.vocab_size} tokens but the target has "
+            f"{target.model.config.vocab_size}: a draft must use the target's tokenizer"
+        )
+    return draft.to(target.device).eval()
+
+
+def find_drafts(cfg: Config, target: Target) -> dict[str, torch.nn.Module]:
+    """The run's distilled draft (if its stage finished) and eval.draft, by method name."""
+    drafts = {}
+    distill = stage_dir(cfg.runs_dir, cfg.run, "distill")
+    if (distill / MANIFEST).is_file():
+        read_manifest(distill, "distill", cfg.run)
+        drafts["draft_model"] = load_draft(distill / "checkpoint", target)
+    if cfg.eval.draft:
+        path = Path(cfg.eval.draft).expanduser()
+        drafts["draft_model" if not drafts else f"draft_model:{path.name}"] = load_draft(path, target)
+    return drafts
+
+
+def summary(m: Measurement, plain: Measurement, hf: Optional[Measurement]) -> dict:
+    per_category = {}
+    for cat, counts in sorted(m.per_category.items()):
+        base = plain.per_category[cat]
+        per_category[cat] = dict(tau=counts.tau, tokens_per_s=counts.tokens_per_s,
+                                 speedup_vs_plain=counts.tokens_per_s / base.tokens_per_s if base.tokens_per_s else None)
+    return dict(
+        drafter=m.drafter,
+        num_draft_tokens=m.num_draft_tokens,
+        tau=m.total.tau,
+        acceptance_by_position=m.acceptance_by_position,
+        tokens=m.total.tokens,
+        seconds=m.total.seconds,
+        tokens_per_s=m.total.tokens_per_s,
+        speedup_vs_plain=m.total.tokens_per_s / plain.total.tokens_per_s,
+        speedup_vs_hf=m.total.tokens_per_s / hf.total.tokens_per_s if hf else None,
+        per_category=per_category,
+    )
+
+
+def run(cfg: Config) -> Path:
+    t0 = time.perf_counter()
+    out = stage_dir(cfg.runs_dir, cfg.run, STAGE)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / MANIFEST).unlink(missing_ok=True)  # the folder is incomplete until this run finishes
+    ev = cfg.eval
+
+    target = load_target(**dataclasses.asdict(cfg.target))
+    drafts = find_drafts(cfg, target)
+    tok = target.tokenizer
+    data = load_conversations(
+        cfg.data.source, cfg.data.path, split=cfg.data.split, eval_fraction=cfg.data.eval_fraction,
+        limit=cfg.data.limit, max_prompt_tokens=cfg.data.max_prompt_tokens,
+        prompt_length=lambda c: len(first_prompt_ids(tok, c)),
+    )
+    convs = data.conversations
+    settings = Settings(model=target.model, tokenizer=tok, eos_ids=set(eos_token_ids(target.model, tok)),
+                        max_new_tokens=ev.max_new_tokens, temperature=ev.temperature, top_p=ev.top_p,
+                        seed=cfg.seed, ngram_max=ev.ngram_max, ngram_min=ev.ngram_min)
+    greedy = ev.temperature == 0
+    num_turns = sum(min(len(c.user_turns), cfg.data.max_turns or 99) for c in convs)
+    spec = ([("ngram", "ngram", None)] if ev.ngram else []) + [(n, "draft_model", d) for n, d in drafts.items()]
+    log.info("eval: %d conversations (%d turns) from %s; methods plain, hf_generate, %s",
+             len(convs), num_turns, cfg.data.source, ", ".join(n for n, _, _ in spec) or "no drafters")
+
+    def method(drafter: str, k: Optional[int] = None, draft=None) -> Method:
+        return Method(make_decode(drafter, settings, k, draft), drafter, k)
+
+    def run_methods(methods: dict[str, Method], conversations, max_turns, desc: str) -> dict[str, Measurement]:
+        turns = sum(min(len(c.user_turns), max_turns or 99) for c in conversations)
+        with tqdm(total=turns * len(methods), desc=desc, unit="turn", dynamic_ncols=True) as bar:
+            results = measure(methods, conversations, settings, batch_size=ev.batch_size, max_turns=max_turns,
+                              on_step=bar.update)
+        for name, m in results.items():
+            tau = f"{m.total.tau:.2f}" if m.total.tau else "–"
+            log.info("%-28s %7.2f tokens/s  tau %s", name, m.total.tokens_per_s, tau)
+        return results
+
+    # Warm-up: the first calls pay for allocations and thread pools, not for a method.
+    short = dataclasses.replace(settings, max_new_tokens=4)
+    make_decode("plain", short)([first_prompt_ids(tok, convs[0])])
+    for draft in drafts.values():
+        make_decode("draft_model", short, 2, draft)([first_prompt_ids(tok, convs[0])])
+
+    # Costs that explain speedups: a target forward of k+1 tokens and a draft forward, per target token.
+    ks = sorted(set(ev.sweep) | ({ev.fixed_num_draft_tokens} if ev.fixed_num_draft_tokens else set()))
+    one = forward_seconds(target.model, 1)
+    verify_cost = {k: forward_seconds(target.model, k + 1) / one for k in ks}
+    draft_cost = {name: forward_seconds(d, 1) / one for name, d in drafts.items()}
+    cost_of = lambda name: draft_cost.get(name, 0.0)
+
+    sweeps, chosen = {}, {}
+    if ev.fixed_num_draft_tokens is None and spec:
+        candidates = {"plain": method("plain")}
+        candidates.update({f"{name} k={k}": method(drafter, k, draft) for name, drafter, draft in spec for k in ev.sweep})
+        swept = run_methods(candidates, convs[: ev.sweep_prompts], cfg.data.max_turns, "eval sweep")
+        base = swept["plain"].total.tokens_per_s
+        for name, _, _ in spec:
+            rows = []
+            for k in ev.sweep:
+                m = swept[f"{name} k={k}"]
+                rows.append(dict(num_draft_tokens=k, tau=m.total.tau, acceptance_by_position=m.acceptance_by_position,
+                                 tokens_per_s=m.total.tokens_per_s, speedup_vs_plain=m.total.tokens_per_s / base,
+                                 proposal_rate=m.proposal_rate,
+                                 predicted_speedup=predicted_speedup(m.acceptance_by_position, cost_of(name),
+                                                                     verify_cost[k], m.proposal_rate)))
+            sweeps[name] = rows
+            chosen[name] = max(rows, key=lambda r: r["tokens_per_s"])["num_draft_tokens"]
+    else:
+        chosen = {name: ev.fixed_num_draft_tokens for name, _, _ in spec}
+
+    final = {"plain": method("plain"), "hf_generate": method("hf_generate")}
+    hf_names = {}
+    for name, drafter, draft in spec:
+        final[name] = method(drafter, chosen[name], draft)
+        if ev.compare_hf:
+            hf_names[name] = HF_EQUIVALENT[drafter] + name[len(drafter):]
+            final[hf_names[name]] = method(HF_EQUIVALENT[drafter], chosen[name], draft)
+    results = run_methods(final, convs, cfg.data.max_turns, "eval")
+    plain, hf = results["plain"], results["hf_generate"]
+
+    methods = {"plain": {**summary(plain, plain, hf), "drafter": "none", "lossless": True}}
+    hf_methods = {}
+    for name, drafter, draft in spec:
+        k, m = chosen[name], results[name]
+        entry = summary(m, plain, hf)
+        entry["num_draft_tokens_mode"] = "auto" if ev.fixed_num_draft_tokens is None else "fixed"
+        entry["proposal_rate"] = m.proposal_rate
+        entry["predicted_speedup"] = predicted_speedup(m.acceptance_by_position, cost_of(name), verify_cost[k],
+                                                       m.proposal_rate)
+        entry["draft_cost_ratio"] = cost_of(name)
+        if greedy:
+            found = greedy_divergences(target.model, plain, m)
+            entry["divergences"] = len(found)
+            entry["tie_divergences"] = sum(d.tie for d in found)
+            entry["lossless"] = all(d.tie for d in found)
+            if found:
+                log.warning("%s: %d outputs differ from plain decoding (%d at exact logit ties)",
+                            name, len(found), entry["tie_divergences"])
+        else:
+            entry["lossless"] = None  # sampled outputs differ by chance; the distribution tests cover it
+        methods[name] = entry
+        if name in hf_names:
+            h = results[hf_names[name]].total
+            hf_methods[hf_names[name]] = dict(num_draft_tokens=k, tokens_per_s=h.tokens_per_s, ours=name,
+                                              speedup_vs_plain=h.tokens_per_s / plain.total.tokens_per_s,
+                                              speedup_vs_hf=h.tokens_per_s / hf.total.tokens_per_s)
+
+    report = dict(
+        target=dict(name=target.name, fingerprint=target.fingerprint()),
+        dataset=cfg.data.source if cfg.data.source != "file" else cfg.data.path,
+        num_prompts=len(convs), num_turns=num_turns, max_new_tokens=ev.max_new_tokens,
+        temperature=ev.temperature, top_p=ev.top_p, batch_size=ev.batch_size,
+        device=str(target.device), dtype=str(next(target.model.parameters()).dtype).replace("torch.", ""),
+        threads=torch.get_num_threads(), sweep_prompts=ev.sweep_prompts,
+        baselines=dict(plain=dict(tokens_per_s=plain.total.tokens_per_s, tokens=plain.total.tokens,
+                                  seconds=plain.total.seconds),
+                       hf_generate=dict(tokens_per_s=hf.total.tokens_per_s, tokens=hf.total.tokens,
+                                        seconds=hf.total.seconds,
+                                        lossless=not greedy_divergences(target.model, plain, hf) if greedy else None)),
+        methods=methods, sweeps=sweeps, hf_methods=hf_methods,
+        costs=dict(target_forward_s=one, verify_cost_by_k={str(k): v for k, v in verify_cost.items()},
+                   draft_cost_ratio=draft_cost),
+        skipped_records=dict(data.skipped),
+    )
+    images = write_report(report, out)
+
+    tracker = start_tracker(cfg.logger.kind, run_name=cfg.run, stage=STAGE, config=dataclasses.asdict(cfg),
+                            log_dir=out.parent, project=cfg.logger.project, entity=cfg.logger.entity, mode=cfg.logger.mode)
+    tracker.log({f"eval/{name}/{key}": value for name, m in methods.items()
+                 for key, value in m.items() if isinstance(value, (int, float)) and not isinstance(value, bool)})
+    tracker.log_images({f"eval/{name}": path for name, path in images.items()})
+    tracker.finish()
+
+    inputs = {}
+    distill = stage_dir(cfg.runs_dir, cfg.run, "distill")
+    if "draft_model" in drafts and (distill / MANIFEST).is_file():
+        inputs["distill"] = {"manifest": str(distill / MANIFEST)}
+    write_manifest(out, stage=STAGE, config=dataclasses.asdict(cfg), target_fingerprint=report["target"]["fingerprint"],
+                   outputs={k: v for k, v in hash_tree(out).items() if k != MANIFEST},
+                   wall_time_s=time.perf_counter() - t0, inputs=inputs)
+    print(f"eval: {len(methods)} methods on {len(convs)} conversations -> {out / 'report.md'}")
+    print(_console_table(report))
+    return out
+
+
+def _console_table(report: dict) -> str:
+    rows = [f"{'method':<24} {'k':>3} {'tau':>6} {'tok/s':>8} {'vs plain':>9} {'vs HF':>7} lossless"]
+    for name, m in report["methods"].items():
+        tau = f"{m['tau']:.2f}" if m["tau"] else "–"
+        k = m["num_draft_tokens"] or "–"
+        rows.append(f"{name:<24} {k:>3} {tau:>6} {m['tokens_per_s']:>8.2f} {m['speedup_vs_plain']:>8.2f}x "
+                    f"{m['speedup_vs_hf']:>6.2f}x {m['lossless']}")
+    rows.append(f"{'hf_generate':<24} {'–':>3} {'–':>6} {report['baselines']['hf_generate']['tokens_per_s']:>8.2f}")
+    for name, m in report.get("hf_methods", {}).items():
+        rows.append(f"{name:<24} {m['num_draft_tokens']:>3} {'–':>6} {m['tokens_per_s']:>8.2f} {m['speedup_vs_plain']:>8.2f}x")
+    return "\n".join(rows)
