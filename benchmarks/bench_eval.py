@@ -23,7 +23,7 @@ from pipeline.models import cache_root, first_layers_draft, load_target
 
 DRAFT_LAYERS = 4
 DEFAULTS = [
-    "stage=eval", "data=mtbench", "data.limit=6", "eval.max_new_tokens=64", "eval.sweep=[1,2,4,6]",
+    "stage=eval", "data=mtbench", "data.limit=4", "eval.max_new_tokens=64", "eval.sweep=[1,2,4]",
     "eval.sweep_prompts=2", "eval.compare_hf=true", "run=bench",
 ]
 

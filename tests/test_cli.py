@@ -58,14 +58,9 @@ def test_missing_local_model_folder(tmp_path):
     assert "does not exist" in error_line(proc)
 
 
-@pytest.mark.parametrize("name, content", [
-    ("broken.jsonl", "{not json\n[1, 2\n"),
-    ("garbage.json", "\x00\x01 this is not json at all"),
-    ("wrong_shape.jsonl", '{"text": "no prompt, messages or conversations here"}\n'),
-])
-def test_malformed_data_file(tmp_path, tiny_target_dir, name, content):
-    data = tmp_path / name
-    data.write_text(content)
+def test_malformed_data_file(tmp_path, tiny_target_dir):
+    data = tmp_path / "broken.jsonl"
+    data.write_text("{not json\n[1, 2\n")
     proc = run_cli("stage=generate", "target=hf", f"target.name_or_path={tiny_target_dir}",
                    "data=file", f"data.path={data}", cwd=tmp_path)
     assert proc.returncode == 1
@@ -84,3 +79,15 @@ def test_cfg_job_prints_resolved_config(tmp_path):
     proc = run_cli("--cfg", "job", "data=mtbench", "data.limit=8", "run=check", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert "source: mtbench" in proc.stdout and "limit: 8" in proc.stdout and "run: check" in proc.stdout
+
+
+def test_stage_all_runs_every_stage_with_its_own_defaults(tmp_path, tiny_target_dir):
+    from conftest import write_jsonl
+
+    data = write_jsonl(tmp_path / "d.jsonl", [{"id": f"p{i}", "prompt": f"prompt {i}"} for i in range(3)])
+    proc = run_cli("stage=all", "target=hf", f"target.name_or_path={tiny_target_dir}", "data=file",
+                   f"data.path={data}", "generate.max_new_tokens=4", "eval.max_new_tokens=4",
+                   "eval.num_draft_tokens=2", "run=a", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    for stage in ("generate", "eval"):
+        assert (tmp_path / "runs" / "a" / stage / "manifest.json").is_file(), stage

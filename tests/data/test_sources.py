@@ -127,3 +127,15 @@ def test_sharegpt_truncated_tail_is_counted():
     result = load_conversations("sharegpt", split="all")
     assert len(result.conversations) > 15000
     assert result.skipped["truncated"] == 1
+
+
+@pytest.mark.parametrize("name, content", [
+    ("broken.jsonl", "{not json\n[1, 2\n"),
+    ("garbage.json", "\x00\x01 this is not json at all"),
+    ("wrong_shape.jsonl", '{"text": "no prompt, messages or conversations here"}\n'),
+    ("empty.jsonl", ""),
+])
+def test_a_file_without_usable_records_is_an_error(tmp_path, name, content):
+    (tmp_path / name).write_text(content)
+    with pytest.raises(PipelineError, match=f"{name}: no usable records"):
+        load_conversations("file", str(tmp_path / name))
