@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Iterable, Optional
 
-from pipeline.data.sources import Conversation
+from pipeline.data.sources import Conversation, LoadResult, load_conversations
 from pipeline.errors import PipelineError
 
 ANSWER_SENTINEL = "\x00specdraft-answer\x00"
@@ -70,3 +70,12 @@ def eos_token_ids(model, tokenizer) -> list[int]:
     if tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
     return sorted(ids)
+
+
+def load_chat_data(data, tokenizer) -> LoadResult:
+    """The conversations a DataConfig selects; a first prompt longer than data.max_prompt_tokens
+    in this tokenizer's chat template is skipped as too long."""
+    return load_conversations(
+        data.source, data.path, split=data.split, eval_fraction=data.eval_fraction, limit=data.limit,
+        max_prompt_tokens=data.max_prompt_tokens, prompt_length=lambda c: len(first_prompt_ids(tokenizer, c)),
+    )

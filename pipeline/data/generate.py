@@ -30,8 +30,9 @@ import torch
 from tqdm.auto import tqdm
 
 from pipeline.config import Config
-from pipeline.data.chat import eos_token_ids, first_prompt_ids, next_turn_ids
-from pipeline.data.sources import Conversation, check_file, load_conversations
+from pipeline.data.chat import eos_token_ids, first_prompt_ids, load_chat_data, next_turn_ids
+from pipeline.data.sources import Conversation, check_file
+from pipeline.decode.decoder import left_pad
 from pipeline.distributed import process_state
 from pipeline.errors import PipelineError
 from pipeline.models import Target, load_target
@@ -42,16 +43,6 @@ from pipeline.tracking import start_tracker
 
 log = logging.getLogger(__name__)
 STAGE = "generate"
-
-
-def left_pad(rows: list[list[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, r in enumerate(rows):
-        ids[i, width - len(r):] = torch.tensor(r, dtype=torch.long)
-        mask[i, width - len(r):] = 1
-    return ids.to(device), mask.to(device)  # [B, S], [B, S]
 
 
 def cut_at_eos(tokens: list[int], eos_ids: set[int]) -> list[int]:
@@ -91,8 +82,8 @@ def generate_answers(
     answers: list[list[int]] = [[] for _ in contexts]
     for start in range(0, len(order), batch_size):
         idx = order[start : start + batch_size]
-        input_ids, attention_mask = left_pad([contexts[i] for i in idx], pad_id, device)
-        out = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=gen_config)
+        input_ids, valid = left_pad([contexts[i] for i in idx], pad_id, device)
+        out = model.generate(input_ids=input_ids, attention_mask=valid.long(), generation_config=gen_config)
         for i, row in zip(idx, out[:, input_ids.shape[1] :].tolist()):
             answers[i] = cut_at_eos(row, eos_ids)
         if on_batch:
@@ -255,12 +246,7 @@ def run(cfg: Config) -> Path:
         return out
     plan_hash = hashlib.sha256(json.dumps(plan, sort_keys=True).encode()).hexdigest()[:12]
 
-    tokenizer = target.tokenizer
-    data = load_conversations(
-        cfg.data.source, cfg.data.path, split=cfg.data.split, eval_fraction=cfg.data.eval_fraction,
-        limit=cfg.data.limit, max_prompt_tokens=cfg.data.max_prompt_tokens,
-        prompt_length=lambda c: len(first_prompt_ids(tokenizer, c)),
-    )
+    data = load_chat_data(cfg.data, target.tokenizer)
     convs = data.conversations
     size = cfg.generate.shard_size
     shards = [convs[i : i + size] for i in range(0, len(convs), size)]

@@ -16,8 +16,7 @@ import torch
 from tqdm.auto import tqdm
 
 from pipeline.config import Config
-from pipeline.data.chat import eos_token_ids, first_prompt_ids
-from pipeline.data.sources import load_conversations
+from pipeline.data.chat import eos_token_ids, first_prompt_ids, load_chat_data
 from pipeline.errors import PipelineError
 from pipeline.eval.measure import (
     Measurement, Method, Settings, forward_seconds, greedy_divergences, make_decode, measure, predicted_speedup,
@@ -84,6 +83,17 @@ def summary(m: Measurement, plain: Measurement, hf: Optional[Measurement]) -> di
     )
 
 
+def losslessness(model, plain: Measurement, m: Measurement, greedy: bool, name: str) -> dict:
+    """Greedy outputs compared with plain decoding; a divergence is excused only at an exact tie."""
+    if not greedy:
+        return dict(lossless=None)  # sampled outputs differ by chance; the distribution tests cover it
+    found = greedy_divergences(model, plain, m)
+    ties = sum(d.tie for d in found)
+    if found:
+        log.warning("%s: %d outputs differ from plain decoding (%d at exact logit ties)", name, len(found), ties)
+    return dict(lossless=len(found) == ties, divergences=len(found), tie_divergences=ties)
+
+
 def run(cfg: Config) -> Path:
     t0 = time.perf_counter()
     out = stage_dir(cfg.runs_dir, cfg.run, STAGE)
@@ -94,11 +104,7 @@ def run(cfg: Config) -> Path:
     target = load_target(**dataclasses.asdict(cfg.target))
     drafts = find_drafts(cfg, target)
     tok = target.tokenizer
-    data = load_conversations(
-        cfg.data.source, cfg.data.path, split=cfg.data.split, eval_fraction=cfg.data.eval_fraction,
-        limit=cfg.data.limit, max_prompt_tokens=cfg.data.max_prompt_tokens,
-        prompt_length=lambda c: len(first_prompt_ids(tok, c)),
-    )
+    data = load_chat_data(cfg.data, tok)
     convs = data.conversations
     settings = Settings(model=target.model, tokenizer=tok, eos_ids=set(eos_token_ids(target.model, tok)),
                         max_new_tokens=ev.max_new_tokens, temperature=ev.temperature, top_p=ev.top_p,
@@ -175,17 +181,7 @@ def run(cfg: Config) -> Path:
         entry["predicted_speedup"] = predicted_speedup(m.acceptance_by_position, cost_of(name), verify_cost[k],
                                                        m.proposal_rate)
         entry["draft_cost_ratio"] = cost_of(name)
-        if greedy:
-            found = greedy_divergences(target.model, plain, m)
-            entry["divergences"] = len(found)
-            entry["tie_divergences"] = sum(d.tie for d in found)
-            entry["lossless"] = all(d.tie for d in found)
-            if found:
-                log.warning("%s: %d outputs differ from plain decoding (%d at exact logit ties)",
-                            name, len(found), entry["tie_divergences"])
-        else:
-            entry["lossless"] = None  # sampled outputs differ by chance; the distribution tests cover it
-        methods[name] = entry
+        methods[name] = {**entry, **losslessness(target.model, plain, m, greedy, name)}
         if name in hf_names:
             h = results[hf_names[name]].total
             hf_methods[hf_names[name]] = dict(num_draft_tokens=k, tokens_per_s=h.tokens_per_s, ours=name,
@@ -203,7 +199,7 @@ def run(cfg: Config) -> Path:
                                   seconds=plain.total.seconds),
                        hf_generate=dict(tokens_per_s=hf.total.tokens_per_s, tokens=hf.total.tokens,
                                         seconds=hf.total.seconds,
-                                        lossless=not greedy_divergences(target.model, plain, hf) if greedy else None)),
+                                        **losslessness(target.model, plain, hf, greedy, "hf_generate"))),
         methods=methods, sweeps=sweeps, hf_methods=hf_methods,
         costs=dict(target_forward_s=one, verify_cost_by_k={str(k): v for k, v in verify_cost.items()},
                    draft_cost_ratio=draft_cost),

@@ -9,7 +9,7 @@ from pipeline.decode import ModelDrafter, NgramDrafter, plain_decode, speculativ
 from pipeline.models import first_layers_draft, load_target
 
 pytestmark = pytest.mark.slow
-MAX_NEW_TOKENS = 32
+MAX_NEW_TOKENS = 24
 
 
 @pytest.fixture(scope="module")
