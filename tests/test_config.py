@@ -49,7 +49,7 @@ def test_default_config():
 
 def test_demo_experiment_overrides():
     cfg = compose_config("experiment=demo")
-    assert cfg.run == "demo" and cfg.data.limit == 8 and cfg.generate.max_new_tokens == 64
+    assert cfg.run == "demo" and cfg.data.limit == 16 and cfg.generate.max_new_tokens == 64
 
 
 @pytest.mark.parametrize("override, message", [

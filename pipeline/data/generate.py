@@ -313,10 +313,23 @@ def run(cfg: Config) -> Path:
         skipped = ", ".join(f"{n} {r}" for r, n in sorted(data.skipped.items())) or "none"
         log.info("generated %d tokens for %d conversations in %.1fs (skipped records: %s)",
                  num_tokens, num_rows, wall, skipped)
+        print(example(dataset_dir, target.tokenizer))
         print(f"generate: {num_rows} conversations, {num_tokens} generated tokens -> {dataset_dir}")
     tracker.finish()
     state.wait_for_everyone()
     return out
+
+
+def example(dataset_dir: Path, tokenizer, width: int = 300) -> str:
+    """The target's regenerated first answer in the first conversation, shortened."""
+    import datasets
+
+    row = datasets.load_from_disk(str(dataset_dir))[0]
+    mask = row["loss_mask"]
+    start = mask.index(1)
+    end = next((i for i in range(start, len(mask)) if not mask[i]), len(mask))
+    answer = " ".join(tokenizer.decode(row["input_ids"][start:end], skip_special_tokens=True).split())
+    return f"first regenerated answer ({row['source']} {row['id']}): {answer[:width]}{' ...' if len(answer) > width else ''}"
 
 
 def shard_name(index: int) -> str:
