@@ -6,7 +6,7 @@ NUM_PROCESSES ?= 2
 # Extra Hydra overrides for the pipeline targets, e.g. make demo ARGS="generate.batch_size=32"
 ARGS ?=
 
-.PHONY: setup demo test test-fast bench bench-generate generate-multi clean
+.PHONY: setup demo test test-fast bench bench-generate generate-multi distill-multi clean
 
 setup: $(VENV)/.installed
 
@@ -40,6 +40,14 @@ bench-generate: setup
 generate-multi: setup
 	$(VENV)/bin/accelerate launch --multi_gpu --num_machines 1 --num_processes $(NUM_PROCESSES) \
 		--mixed_precision no --dynamo_backend no -m pipeline stage=generate $(ARGS)
+
+# Distill on N processes: DDP (DS=none), or DeepSpeed ZeRO (DS=zero2 / zero3, conf/deepspeed/*.json).
+# On a GPU node N is the number of GPUs; on CPUs the processes talk over gloo.
+DS ?= zero2
+distill-multi: setup
+	DS_ACCELERATOR=$$( $(PY) -c "import torch; print('cuda' if torch.cuda.is_available() else 'cpu')" ) \
+	$(PY) -m torch.distributed.run --nproc_per_node $(NUM_PROCESSES) -m pipeline stage=distill \
+		$(if $(filter none,$(DS)),,distill.deepspeed=$(DS)) $(ARGS)
 
 clean:
 	rm -rf runs outputs wandb .pytest_cache

@@ -19,7 +19,8 @@ from hydra import compose, initialize_config_dir
 from pipeline.__main__ import CONF_DIR, quiet_library_progress_bars
 from pipeline.config import to_config
 from pipeline.eval import run
-from pipeline.models import cache_root, first_layers_draft, load_target
+from pipeline.distill.draft import first_layers_draft
+from pipeline.models import cache_root, load_target
 
 DRAFT_LAYERS = 4
 DEFAULTS = [

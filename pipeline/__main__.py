@@ -12,7 +12,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from pipeline.config import Config, register_configs, to_config
-from pipeline import data, eval as evaluation
+from pipeline import data, distill, eval as evaluation
 from pipeline.errors import PipelineError
 
 log = logging.getLogger("pipeline")
@@ -21,6 +21,7 @@ CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 # Every stage, in pipeline order; `stage=all` runs them all.
 STAGES: dict[str, Callable[[Config], Path]] = {
     "generate": data.run,
+    "distill": distill.run,
     "eval": evaluation.run,
 }
 
@@ -64,8 +65,7 @@ def main(dict_cfg: DictConfig) -> None:
         run_stages(cfg)
     except PipelineError as e:
         fail(str(e))
-    finally:
-        _quiet_exit_if_distributed()
+    _quiet_exit_if_distributed()  # only after success: a crash must keep its traceback and exit code
 
 
 def _quiet_exit_if_distributed() -> None:

@@ -141,6 +141,9 @@ class EvalConfig:
     """Prompt lookup matches the last ngram_max..ngram_min tokens."""
     compare_hf: bool = False
     """Also run HF assisted generation and prompt lookup with the same drafts and num_draft_tokens."""
+    decode_layout: bool = True
+    """On CPU, our decoder stores linear weights input-major (pipeline/decode/layout.py); HF's
+    methods keep a copy in transformers' layout. false: both share the model as loaded."""
 
     def __post_init__(self) -> None:
         if self.num_draft_tokens != "auto" and not (str(self.num_draft_tokens).isdigit() and int(self.num_draft_tokens) > 0):
@@ -157,6 +160,116 @@ class EvalConfig:
     @property
     def fixed_num_draft_tokens(self) -> Optional[int]:
         return None if self.num_draft_tokens == "auto" else int(self.num_draft_tokens)
+
+
+DRAFT_KINDS = ("new", "pretrained")
+LOSS_KINDS = ("forward_kl", "reverse_kl", "jsd", "tv", "ce")
+TEACHERS = ("auto", "online", "offline")
+PRECISIONS = ("fp32", "bf16")
+
+
+@dataclass
+class DraftConfig:
+    """The draft model distill trains: new (built from the target) or pretrained (an existing small LM)."""
+
+    kind: str = "new"
+    """new: the target's architecture with fewer layers; pretrained: `path`, same vocabulary as the target."""
+    num_layers: int = 1
+    """Decoder layers of a new draft."""
+    init_layers: list[int] = field(default_factory=list)
+    """Target layers copied into a new draft's layers, in order; negative counts from the end (empty: random)."""
+    hidden_size: Optional[int] = None
+    """A new draft's width (default the target's, which init from the target needs)."""
+    intermediate_size: Optional[int] = None
+    num_attention_heads: Optional[int] = None
+    num_key_value_heads: Optional[int] = None
+    init_embeddings: bool = True
+    """Start from the target's embeddings, LM head and final norm."""
+    tie_embeddings: Optional[bool] = None
+    """Share one matrix between the input embeddings and the LM head (default: as the target does)."""
+    freeze_embeddings: bool = True
+    """Keep the embeddings and LM head at their initial values (the target's): fewer parameters to learn."""
+    path: Optional[str] = None
+    """kind=pretrained: an HF model id or local folder."""
+    lora_rank: int = 0
+    """kind=pretrained: > 0 trains LoRA adapters of this rank (merged at save) instead of every weight."""
+    lora_alpha: float = 16.0
+    lora_dropout: float = 0.0
+    lora_target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+
+    def __post_init__(self) -> None:
+        _check_choice("draft.kind", self.kind, DRAFT_KINDS)
+        _check_positive("draft.num_layers", self.num_layers)
+        if self.kind == "pretrained" and not self.path:
+            raise ValueError("draft.kind=pretrained needs draft.path=<HF id or folder>")
+        if self.kind == "new" and self.freeze_embeddings and not self.init_embeddings:
+            raise ValueError("draft.freeze_embeddings=true needs draft.init_embeddings=true "
+                             "(frozen random embeddings never learn)")
+        if self.lora_rank < 0:
+            raise ValueError(f"draft.lora_rank must be >= 0, got {self.lora_rank}")
+
+
+@dataclass
+class DistillConfig:
+    """The distill stage: train the draft to match the target's next-token distributions."""
+
+    loss: str = "forward_kl"
+    """forward_kl, reverse_kl, jsd, tv (1 - expected acceptance) or ce (the target's tokens only)."""
+    temperature: float = 1.0
+    """Softens target and draft alike in the KD losses."""
+    jsd_beta: float = 0.5
+    teacher: str = "auto"
+    """offline: the top-k logits stored by generate (generate.save_topk_logits); online: the target
+    runs in the loop (its full distribution); auto: offline when the dataset has them."""
+    onpolicy_fraction: float = 0.0
+    """Share of steps trained on continuations sampled from the draft itself and scored by the
+    target (DistillSpec); needs the target in memory."""
+    onpolicy_tokens: int = 32
+    """Length of each sampled continuation."""
+    max_steps: int = 600
+    """Optimizer steps (the default recipe: about 30 minutes on 2 CPU cores, see README)."""
+    batch_size: int = 8
+    """Sequences per micro-batch per process."""
+    grad_accum: int = 1
+    """Micro-batches per optimizer step (global batch = batch_size x processes x grad_accum)."""
+    max_length: int = 512
+    """Sequences are cut to this many tokens."""
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    warmup_steps: int = 20
+    """Linear warm-up, then cosine decay to min_lr_ratio x lr."""
+    min_lr_ratio: float = 0.1
+    max_grad_norm: float = 1.0
+    precision: str = "fp32"
+    """fp32 or bf16 (autocast through accelerate)."""
+    eval_every: int = 100
+    """Steps between held-out evaluations of the expected acceptance α = 1 - TV(p, q)."""
+    eval_fraction: float = 0.05
+    """Share of the generated conversations held out for that evaluation."""
+    max_eval_sequences: int = 32
+    save_every: int = 100
+    """Steps between resumable checkpoints (model, optimizer, scheduler, data position, RNG)."""
+    resume: bool = True
+    """Continue from the last checkpoint of an unfinished run."""
+    deepspeed: Optional[str] = None
+    """A DeepSpeed config in conf/deepspeed/ (zero2, zero3) or a JSON path; set by `make distill-multi DS=`."""
+
+    def __post_init__(self) -> None:
+        _check_choice("distill.loss", self.loss, LOSS_KINDS)
+        _check_choice("distill.teacher", self.teacher, TEACHERS)
+        _check_choice("distill.precision", self.precision, PRECISIONS)
+        for name in ("temperature", "onpolicy_tokens", "max_steps", "batch_size", "grad_accum", "max_length", "lr",
+                     "eval_every", "max_eval_sequences", "save_every"):
+            _check_positive(f"distill.{name}", getattr(self, name))
+        if not 0.0 <= self.onpolicy_fraction <= 1.0:
+            raise ValueError(f"distill.onpolicy_fraction must be in [0, 1], got {self.onpolicy_fraction}")
+        if self.loss == "ce" and self.onpolicy_fraction > 0:
+            raise ValueError("distill.loss=ce learns the sampled tokens: on-policy steps would teach the draft "
+                             "its own samples; use a KD loss with distill.onpolicy_fraction")
+        if not 0.0 < self.jsd_beta < 1.0:
+            raise ValueError(f"distill.jsd_beta must be in (0, 1), got {self.jsd_beta}")
+        if not 0.0 <= self.eval_fraction < 1.0:
+            raise ValueError(f"distill.eval_fraction must be in [0, 1), got {self.eval_fraction}")
 
 
 @dataclass
@@ -186,6 +299,8 @@ class Config:
     data: DataConfig = MISSING
     generate: GenerateConfig = field(default_factory=GenerateConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    draft: DraftConfig = field(default_factory=DraftConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
     logger: LoggerConfig = MISSING
 
 
@@ -195,6 +310,7 @@ def register_configs() -> None:
     cs.store(group="target", name="base_target", node=TargetConfig)
     cs.store(group="data", name="base_data", node=DataConfig)
     cs.store(group="logger", name="base_logger", node=LoggerConfig)
+    cs.store(group="draft", name="base_draft", node=DraftConfig)
 
 
 def to_config(cfg: DictConfig) -> Config:

@@ -221,23 +221,3 @@ def _read_json(path: Path) -> dict:
         return json.loads(path.read_text())
     except (FileNotFoundError, json.JSONDecodeError):
         return {}
-
-
-def first_layers_draft(model: torch.nn.Module, num_layers: int) -> torch.nn.Module:
-    """A separate draft model: the target's embeddings, first `num_layers` decoder layers,
-    final norm and LM head, copied. Untrained: the baseline every trained draft must beat."""
-    import copy
-
-    from transformers import AutoModelForCausalLM
-
-    config = copy.deepcopy(model.config)
-    if num_layers >= config.num_hidden_layers:
-        raise PipelineError(f"a draft of {num_layers} layers is not smaller than the target ({config.num_hidden_layers})")
-    config.num_hidden_layers = num_layers
-    if getattr(config, "layer_types", None):
-        config.layer_types = config.layer_types[:num_layers]
-    draft = AutoModelForCausalLM.from_config(config, dtype=next(model.parameters()).dtype)
-    missing, unexpected = draft.load_state_dict(model.state_dict(), strict=False)
-    if missing:
-        raise PipelineError(f"cannot copy the target's weights into the draft: missing {missing[:3]}")
-    return draft.to(next(model.parameters()).device).eval()

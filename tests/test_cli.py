@@ -87,7 +87,7 @@ def test_stage_all_runs_every_stage_with_its_own_defaults(tmp_path, tiny_target_
     data = write_jsonl(tmp_path / "d.jsonl", [{"id": f"p{i}", "prompt": f"prompt {i}"} for i in range(3)])
     proc = run_cli("stage=all", "target=hf", f"target.name_or_path={tiny_target_dir}", "data=file",
                    f"data.path={data}", "generate.max_new_tokens=4", "eval.max_new_tokens=4",
-                   "eval.num_draft_tokens=2", "run=a", cwd=tmp_path)
+                   "eval.num_draft_tokens=2", "distill.max_steps=2", "distill.batch_size=2", "run=a", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    for stage in ("generate", "eval"):
+    for stage in ("generate", "distill", "eval"):
         assert (tmp_path / "runs" / "a" / stage / "manifest.json").is_file(), stage

@@ -9,11 +9,12 @@ from pipeline.__main__ import CONF_DIR, STAGES
 from conftest import compose_config
 from pipeline.config import Config, to_config
 
-GROUPS = ["target", "data", "logger", "stage", "experiment"]
+GROUPS = ["target", "data", "draft", "logger", "stage", "experiment"]
 # Options whose mandatory value (???) the user must give on the command line.
 REQUIRED = {
     "target=hf": ["target.name_or_path=some/model"],
     "data=file": ["data.path=some.jsonl"],
+    "draft=pretrained": ["draft.path=some/model"],
 }
 
 
@@ -59,6 +60,9 @@ def test_demo_experiment_overrides():
     ("generate.batch_size=0", "generate.batch_size"),
     ("data.eval_fraction=1.5", "data.eval_fraction"),
     ("logger.kind=tensorboard", "logger.kind"),
+    ("distill.loss=mse", "distill.loss"),
+    ("distill.onpolicy_fraction=2", "distill.onpolicy_fraction"),
+    ("draft.num_layers=0", "draft.num_layers"),
 ])
 def test_invalid_values_fail_validation(override, message):
     with pytest.raises(ValueError, match=message):

@@ -34,6 +34,8 @@ class Settings:
     seed: int = 0
     ngram_max: int = 3
     ngram_min: int = 2
+    hf_model: Optional[torch.nn.Module] = None
+    """The target as transformers lays it out, for HF's methods (default: `model`)."""
 
     @property
     def pad_id(self) -> int:
@@ -126,13 +128,14 @@ def hf_decode(kind: str, settings: Settings, num_draft_tokens: Optional[int], dr
     config = GenerationConfig(max_new_tokens=s.max_new_tokens, eos_token_id=sorted(s.eos_ids), pad_token_id=s.pad_id,
                               **sampling, **extra)
     assistant = dict(assistant_model=draft_model) if kind == "hf_assisted" else {}
+    model = s.hf_model if s.hf_model is not None else s.model
 
     def decode(prompts: list[list[int]]) -> DecodeResult:
         tokens = []
         for prompt in prompts:
-            ids = torch.tensor([prompt], device=next(s.model.parameters()).device)
+            ids = torch.tensor([prompt], device=next(model.parameters()).device)
             with torch.inference_mode():
-                out = s.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=config,
+                out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=config,
                                        **assistant)
             new = out[0, ids.shape[1]:].tolist()
             tokens.append(new[: next((i + 1 for i, t in enumerate(new) if t in s.eos_ids), len(new))])

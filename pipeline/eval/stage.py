@@ -6,6 +6,7 @@ speedup_vs_k.png, per_category.png, manifest.json.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import time
@@ -17,6 +18,7 @@ from tqdm.auto import tqdm
 
 from pipeline.config import Config
 from pipeline.data.chat import eos_token_ids, first_prompt_ids, load_chat_data
+from pipeline.decode.layout import decode_layout
 from pipeline.errors import PipelineError
 from pipeline.eval.measure import (
     Measurement, Method, Settings, forward_seconds, greedy_divergences, make_decode, measure, predicted_speedup,
@@ -63,6 +65,21 @@ def find_drafts(cfg: Config, target: Target) -> dict[str, torch.nn.Module]:
     return drafts
 
 
+def with_decode_layout(model: torch.nn.Module, drafts: dict[str, torch.nn.Module], copy_drafts: bool):
+    """Lay out the target and drafts for our decoder (see decode/layout.py; CPU only).
+
+    Returns the target and (with copy_drafts, for HF assisted generation) the drafts for
+    HF's methods: copies as transformers loaded them, so that HF generate runs on the model
+    every transformers user gets. The copy costs the target's weights in memory once more."""
+    if next(model.parameters()).device.type != "cpu":
+        return model, dict(drafts)
+    hf_model = copy.deepcopy(model)
+    hf_drafts = {name: copy.deepcopy(d) for name, d in drafts.items()} if copy_drafts else {}
+    moved = sum(decode_layout(m) for m in (model, *drafts.values()))
+    log.info("decode layout: %d linear weights stored input-major for our decoder; HF methods use a copy", moved)
+    return hf_model, hf_drafts
+
+
 def summary(m: Measurement, plain: Measurement, hf: Optional[Measurement]) -> dict:
     per_category = {}
     for cat, counts in sorted(m.per_category.items()):
@@ -106,9 +123,12 @@ def run(cfg: Config) -> Path:
     tok = target.tokenizer
     data = load_chat_data(cfg.data, tok)
     convs = data.conversations
+    hf_model, hf_drafts = target.model, dict(drafts)
+    if ev.decode_layout:
+        hf_model, hf_drafts = with_decode_layout(target.model, drafts, copy_drafts=ev.compare_hf)
     settings = Settings(model=target.model, tokenizer=tok, eos_ids=set(eos_token_ids(target.model, tok)),
                         max_new_tokens=ev.max_new_tokens, temperature=ev.temperature, top_p=ev.top_p,
-                        seed=cfg.seed, ngram_max=ev.ngram_max, ngram_min=ev.ngram_min)
+                        seed=cfg.seed, ngram_max=ev.ngram_max, ngram_min=ev.ngram_min, hf_model=hf_model)
     greedy = ev.temperature == 0
     num_turns = sum(min(len(c.user_turns), cfg.data.max_turns or 99) for c in convs)
     spec = ([("ngram", "ngram", None)] if ev.ngram else []) + [(n, "draft_model", d) for n, d in drafts.items()]
@@ -167,7 +187,7 @@ def run(cfg: Config) -> Path:
         final[name] = method(drafter, chosen[name], draft)
         if ev.compare_hf:
             hf_names[name] = HF_EQUIVALENT[drafter] + name[len(drafter):]
-            final[hf_names[name]] = method(HF_EQUIVALENT[drafter], chosen[name], draft)
+            final[hf_names[name]] = method(HF_EQUIVALENT[drafter], chosen[name], hf_drafts.get(name))
     results = run_methods(final, convs, cfg.data.max_turns, "eval")
     plain, hf = results["plain"], results["hf_generate"]
 

@@ -161,3 +161,27 @@ def test_in_place_cache_matches_a_full_forward_after_crops_and_row_selection():
         logits = kv.forward(seqs[1:, 5:7])
         full = model(seqs[1:, :7]).logits
     torch.testing.assert_close(logits, full[:, 5:7], atol=1e-5, rtol=1e-4)
+
+
+def test_decode_layout_changes_memory_order_not_the_function():
+    from pipeline.decode.layout import decode_layout, is_decode_layout
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    model = LlamaForCausalLM(config).eval()
+    ids = torch.tensor([[3, 7, 1, 9, 3, 7, 2]])
+    with torch.inference_mode():
+        before = model(ids).logits
+    assert not is_decode_layout(model)
+    assert decode_layout(model) == 2 * 7 + 1  # 7 projections per layer and the (tied) LM head once
+    assert is_decode_layout(model) and decode_layout(model) == 0
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # still tied
+    assert model.lm_head.weight.shape == (VOCAB, 32)
+    with torch.inference_mode():
+        torch.testing.assert_close(model(ids).logits, before, rtol=1e-5, atol=1e-5)
+    prompts = [[3, 7, 1, 9, 3, 7], [5, 2]]
+    spec = speculative_decode(model, NgramDrafter(), prompts, num_draft_tokens=3, max_new_tokens=20,
+                              eos_ids={EOS}, pad_id=PAD)
+    plain = plain_decode(model, prompts, max_new_tokens=20, eos_ids={EOS}, pad_id=PAD)
+    assert spec.tokens == plain.tokens

@@ -6,7 +6,8 @@ import torch
 from pipeline.data.chat import eos_token_ids, first_prompt_ids
 from pipeline.data.sources import load_conversations
 from pipeline.decode import ModelDrafter, NgramDrafter, plain_decode, speculative_decode
-from pipeline.models import first_layers_draft, load_target
+from pipeline.distill.draft import first_layers_draft
+from pipeline.models import load_target
 
 pytestmark = pytest.mark.slow
 MAX_NEW_TOKENS = 24
@@ -74,3 +75,22 @@ def test_batched_speculative_greedy_equals_plain_greedy(setup):
                              pad_id=target.tokenizer.pad_token_id).tokens
     found = divergences(target, prompts, got, plain)
     assert all(tie for _, tie in found), found
+
+
+def test_decode_layout_keeps_greedy_outputs(setup):
+    """The eval stage lays the weights out input-major for our decoder (decode/layout.py)."""
+    import copy
+
+    from pipeline.decode.layout import decode_layout
+
+    target, prompts, eos, plain = setup
+    model = copy.deepcopy(target.model)
+    draft = first_layers_draft(target.model, 4)
+    assert decode_layout(model) > 0 and decode_layout(draft) > 0
+    pad = target.tokenizer.pad_token_id
+    relaid = [plain_decode(model, [p], max_new_tokens=MAX_NEW_TOKENS, eos_ids=eos, pad_id=pad).tokens[0]
+              for p in prompts]
+    assert all(tie for _, tie in divergences(target, prompts, relaid, plain))
+    got = speculative_decode(model, ModelDrafter(draft), prompts, num_draft_tokens=4, max_new_tokens=MAX_NEW_TOKENS,
+                             eos_ids=eos, pad_id=pad).tokens
+    assert all(tie for _, tie in divergences(target, prompts, got, relaid))
