@@ -8,6 +8,7 @@ the seed and the global step, so a resumed run sees exactly the batches it would
 from __future__ import annotations
 
 import hashlib
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -38,13 +39,13 @@ def load_examples(dataset_dir: Path, max_length: int) -> tuple[list[Example], di
     except (FileNotFoundError, ValueError) as e:
         raise PipelineError(f"cannot read the generate dataset {dataset_dir}: {e}") from None
     has_topk = "topk_ids" in rows.column_names
-    examples, skipped = [], {}
+    examples, skipped = [], Counter()
     for row in rows.with_format("numpy" if has_topk else None):
         ids = [int(t) for t in row["input_ids"][:max_length]]
         mask = [int(m) for m in row["loss_mask"][:max_length]]
         positions = [t for t in range(len(ids) - 1) if mask[t + 1]]
         if not positions:
-            skipped["no generated tokens within max_length"] = skipped.get("no generated tokens within max_length", 0) + 1
+            skipped["no generated tokens within max_length"] += 1
             continue
         ex = Example(id=str(row["id"]), input_ids=ids, positions=positions)
         if has_topk:
@@ -54,7 +55,7 @@ def load_examples(dataset_dir: Path, max_length: int) -> tuple[list[Example], di
         examples.append(ex)
     if not examples:
         raise PipelineError(f"{dataset_dir} has no conversation with generated tokens to learn from")
-    return examples, skipped
+    return examples, dict(skipped)
 
 
 def split_heldout(examples: list[Example], fraction: float) -> tuple[list[Example], list[Example]]:

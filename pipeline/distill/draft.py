@@ -101,7 +101,7 @@ def pretrained_draft(path: str, target: torch.nn.Module, *, trust_remote_code: b
 
     try:
         draft = AutoModelForCausalLM.from_pretrained(path, dtype=next(target.parameters()).dtype,
-                                                     trust_remote_code=trust_remote_code)
+                                                     use_safetensors=True, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:
         raise PipelineError(f"cannot load draft {path!r}: {str(e).strip().splitlines()[0]}") from None
     check_vocabulary(draft, target, path)

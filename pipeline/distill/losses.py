@@ -12,6 +12,8 @@ probability α = 1 − TV(p, q) (Leviathan et al.), so minimising TV maximises a
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 from typing import Optional
 
@@ -33,7 +35,7 @@ def forward_kl(p_log: torch.Tensor, q_log: torch.Tensor) -> torch.Tensor:
 def reverse_kl(p_log: torch.Tensor, q_log: torch.Tensor) -> torch.Tensor:
     """KL(q || p) = Σ q (log q − log p): mode-seeking. [N, S] -> [N]"""
     q = q_log.exp()
-    p_log = p_log.clamp(min=torch.log(torch.tensor(REVERSE_KL_FLOOR)).item())
+    p_log = p_log.clamp(min=math.log(REVERSE_KL_FLOOR))
     return torch.where(q > 0, q * (q_log - p_log), torch.zeros_like(q)).sum(-1)
 
 
@@ -44,8 +46,7 @@ def jsd(p_log: torch.Tensor, q_log: torch.Tensor, beta: float = 0.5) -> torch.Te
     DistillSpec. [N, S] -> [N]"""
     if not 0.0 < beta < 1.0:
         raise ValueError(f"jsd beta must be in (0, 1), got {beta}")
-    m_log = torch.logsumexp(torch.stack([p_log + torch.log(torch.tensor(beta)),
-                                         q_log + torch.log(torch.tensor(1.0 - beta))]), dim=0)
+    m_log = torch.logaddexp(p_log + math.log(beta), q_log + math.log(1.0 - beta))
     return beta * forward_kl(p_log, m_log) + (1.0 - beta) * forward_kl(q_log, m_log)
 
 

@@ -19,6 +19,7 @@ from tqdm.auto import tqdm
 from pipeline.config import Config
 from pipeline.data.chat import eos_token_ids, first_prompt_ids, load_chat_data
 from pipeline.decode.layout import decode_layout
+from pipeline.distill.draft import check_vocabulary
 from pipeline.errors import PipelineError
 from pipeline.eval.measure import (
     Measurement, Method, Settings, forward_seconds, greedy_divergences, make_decode, measure, predicted_speedup,
@@ -44,11 +45,7 @@ def load_draft(path: Path, target: Target) -> torch.nn.Module:
         draft = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, use_safetensors=True, trust_remote_code=False)
     except (OSError, ValueError) as e:
         raise PipelineError(f"cannot load a draft model from {path}: {str(e).strip().splitlines()[0]}") from None
-    if draft.config.vocab_size != target.model.config.vocab_size:
-        raise PipelineError(
-            f"draft {path} has a vocabulary of {draft.config.vocab_size} tokens but the target has "
-            f"{target.model.config.vocab_size}: a draft must use the target's tokenizer"
-        )
+    check_vocabulary(draft, target.model, str(path))
     return draft.to(target.device).eval()
 
 
