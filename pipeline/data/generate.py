@@ -1,10 +1,13 @@
-"""The generate stage: the target regenerates every assistant turn of the domain data.
+"""The generate stage: the target regenerates every assistant turn of the domain data
+(or, for a share of the conversations, generate.target_answers < 1, scores the data's own
+answers in one teacher-forced pass instead).
 
 Output (`runs/<run>/generate/`):
   dataset/       datasets.save_to_disk, one row per conversation:
                    id, source, category, num_turns      metadata
+                   answers                               "target" (regenerated) or "source" (scored)
                    input_ids  [T]                        the whole conversation as the target saw it
-                   loss_mask  [T]                        1 where the target generated the token
+                   loss_mask  [T]                        1 on answer tokens (generated, or scored)
                    topk_ids, topk_logits  [G, k]         optional (generate.save_topk_logits=k):
                      the target's top-k raw logits (fp16) for each of the G generated tokens,
                      taken at the position that predicts it
@@ -30,7 +33,9 @@ import torch
 from tqdm.auto import tqdm
 
 from pipeline.config import Config
-from pipeline.data.chat import eos_token_ids, first_prompt_ids, load_chat_data, next_turn_ids
+from pipeline.data.chat import (
+    ANSWER_SENTINEL, encode, eos_token_ids, first_prompt_ids, load_chat_data, next_turn_ids,
+)
 from pipeline.data.sources import Conversation, check_file
 from pipeline.decode.decoder import left_pad
 from pipeline.distributed import process_state
@@ -115,6 +120,28 @@ def topk_logits(model, rows: list[dict], k: int, batch_size: int) -> None:
             r["topk_logits"] = values.to(torch.float16).cpu().numpy()
 
 
+def keeps_source_answers(conv: Conversation, target_answers: float) -> bool:
+    """Whether the generate stage scores this conversation's own answers instead of regenerating
+    them: a fixed function of the id (salted apart from the data split's hash)."""
+    if not conv.assistant_turns or target_answers >= 1.0:
+        return False
+    bucket = int(hashlib.sha256(f"generate-answers:{conv.id}".encode()).hexdigest()[:8], 16) / 2**32
+    return bucket >= target_answers
+
+
+def planned_turns(conv: Conversation, max_turns: Optional[int], target_answers: float) -> int:
+    turns = conv.assistant_turns if keeps_source_answers(conv, target_answers) else conv.user_turns
+    return min(len(turns), max_turns or len(turns))
+
+
+def end_of_turn_id(tokenizer, eos_ids: list[int]) -> int:
+    """The token the chat template closes an assistant answer with (the target's own stop)."""
+    messages = [{"role": "user", "content": "x"}, {"role": "assistant", "content": ANSWER_SENTINEL}]
+    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    tail = encode(tokenizer, text.rpartition(ANSWER_SENTINEL)[2])
+    return tail[0] if tail and tail[0] in eos_ids else eos_ids[0]
+
+
 def regenerate(
     target: Target,
     conversations: list[Conversation],
@@ -125,17 +152,22 @@ def regenerate(
     batch_size: int,
     max_length: int,
     max_turns: Optional[int],
+    target_answers: float = 1.0,
     progress: Optional[Callable[[int, int], None]] = None,
 ) -> list[dict]:
     """Regenerate every turn of `conversations`; one row per conversation.
 
     Turn t of every conversation is generated in one batched call, so a later turn sees the
     target's own earlier answers. A conversation stops early when its next context plus
-    max_new_tokens would exceed max_length.
+    max_new_tokens would exceed max_length. Conversations chosen by keeps_source_answers keep
+    the source's answers instead (cut to max_new_tokens; they end where the source's do).
     """
     model, tokenizer = target.model, target.tokenizer
     eos_list = eos_token_ids(model, tokenizer)
     eos_ids = set(eos_list)
+    keep = [keeps_source_answers(c, target_answers) for c in conversations]
+    end_of_turn = end_of_turn_id(tokenizer, eos_list) if any(keep) else None
+    num_turns = [planned_turns(c, max_turns, target_answers) for c in conversations]
     gen_config = generation_config(
         max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
         eos_ids=eos_list, pad_id=tokenizer.pad_token_id,
@@ -143,12 +175,11 @@ def regenerate(
     ids: list[list[int]] = [[] for _ in conversations]
     mask: list[list[int]] = [[] for _ in conversations]
     answers: list[list[str]] = [[] for _ in conversations]
-    num_turns = [min(len(c.user_turns), max_turns or len(c.user_turns)) for c in conversations]
     active = [i for i, c in enumerate(conversations)]
     turn = 0
     while active:
         contexts, prompts = [], []
-        for i in active:
+        for i in [i for i in active if num_turns[i] > turn]:
             conv = conversations[i]
             if turn == 0:
                 new = first_prompt_ids(tokenizer, conv)
@@ -161,10 +192,20 @@ def regenerate(
                 continue
             prompts.append(i)
             contexts.append(ids[i] + new)
-        generated = generate_answers(
-            model, contexts, gen_config=gen_config, pad_id=tokenizer.pad_token_id, eos_ids=eos_ids,
-            batch_size=batch_size, on_batch=progress,
-        )
+        regen = [j for j, i in enumerate(prompts) if not keep[i]]
+        generated = [[] for _ in prompts]
+        answers_of_target = generate_answers(
+            model, [contexts[j] for j in regen], gen_config=gen_config, pad_id=tokenizer.pad_token_id,
+            eos_ids=eos_ids, batch_size=batch_size, on_batch=progress,
+        ) if regen else []
+        for j, answer in zip(regen, answers_of_target):
+            generated[j] = answer
+        for j, i in enumerate(prompts):
+            if keep[i]:
+                answer = encode(tokenizer, conversations[i].assistant_turns[turn])
+                generated[j] = answer[:max_new_tokens] if len(answer) >= max_new_tokens else answer + [end_of_turn]
+                if progress:
+                    progress(1, 0)
         for i, context, answer in zip(prompts, contexts, generated):
             mask[i] += [0] * (len(context) - len(ids[i])) + [1] * len(answer)
             ids[i] = context + answer
@@ -172,7 +213,8 @@ def regenerate(
         turn += 1
         active = [i for i in prompts if turn < num_turns[i]]
     return [
-        dict(id=c.id, source=c.source, category=c.category, num_turns=num_turns[i], input_ids=ids[i], loss_mask=mask[i])
+        dict(id=c.id, source=c.source, category=c.category, num_turns=num_turns[i],
+             answers="source" if keep[i] else "target", input_ids=ids[i], loss_mask=mask[i])
         for i, c in enumerate(conversations)
         if num_turns[i] > 0
     ]
@@ -186,6 +228,7 @@ def features(topk: int):
         "source": datasets.Value("string"),
         "category": datasets.Value("string"),
         "num_turns": datasets.Value("int32"),
+        "answers": datasets.Value("string"),
         "input_ids": datasets.Sequence(datasets.Value("int32")),
         "loss_mask": datasets.Sequence(datasets.Value("int8")),
     }
@@ -200,6 +243,8 @@ def plan_key(cfg: Config, fingerprint: str) -> dict:
     gen = dataclasses.asdict(cfg.generate)
     for free in ("batch_size", "overwrite"):  # safe to change between restarts
         gen.pop(free)
+    if gen["target_answers"] == 1.0:  # the default: keeps plans (and run folders) from before the option
+        gen.pop("target_answers")
     return {
         "target_fingerprint": fingerprint,
         "target_dtype": cfg.target.dtype,
@@ -265,7 +310,7 @@ def run(cfg: Config) -> Path:
         is_main_process=state.is_main_process,
     )
     max_turns = cfg.data.max_turns
-    total_turns = sum(min(len(c.user_turns), max_turns or len(c.user_turns)) for s in todo for c in shards[s])
+    total_turns = sum(planned_turns(c, max_turns, cfg.generate.target_answers) for s in todo for c in shards[s])
     bar = tqdm(total=total_turns, unit="turn", desc="generate", disable=not state.is_main_process, dynamic_ncols=True)
     counts = Counter()
 
@@ -281,7 +326,7 @@ def run(cfg: Config) -> Path:
         rows = regenerate(
             target, shards[s], max_new_tokens=cfg.generate.max_new_tokens, temperature=cfg.generate.temperature,
             top_p=cfg.generate.top_p, batch_size=cfg.generate.batch_size, max_length=cfg.generate.max_length,
-            max_turns=max_turns, progress=progress,
+            max_turns=max_turns, target_answers=cfg.generate.target_answers, progress=progress,
         )
         if cfg.generate.save_topk_logits:
             topk_logits(target.model, rows, cfg.generate.save_topk_logits, cfg.generate.batch_size)
@@ -294,11 +339,13 @@ def run(cfg: Config) -> Path:
     state.wait_for_everyone()
     if state.is_main_process:
         dataset_dir = out / "dataset"
-        num_rows, num_tokens = merge_shards([shards_dir / shard_name(s) for s in range(len(shards))], dataset_dir)
+        num_rows, num_tokens, num_scored = merge_shards([shards_dir / shard_name(s) for s in range(len(shards))],
+                                                        dataset_dir)
         wall = time.perf_counter() - t0
         summary = {
             "num_conversations": num_rows,
             "num_generated_tokens": num_tokens,
+            "num_scored_source_tokens": num_scored,
             "skipped_records": dict(data.skipped),
             "num_processes": state.num_processes,
             "plan_hash": plan_hash,
@@ -311,10 +358,11 @@ def run(cfg: Config) -> Path:
         shutil.rmtree(shards_dir, ignore_errors=True)
         tracker.log({"generate/" + k: v for k, v in summary.items() if isinstance(v, (int, float))})
         skipped = ", ".join(f"{n} {r}" for r, n in sorted(data.skipped.items())) or "none"
-        log.info("generated %d tokens for %d conversations in %.1fs (skipped records: %s)",
-                 num_tokens, num_rows, wall, skipped)
+        log.info("generated %d tokens (and scored %d of the source's) for %d conversations in %.1fs "
+                 "(skipped records: %s)", num_tokens, num_scored, num_rows, wall, skipped)
         print(example(dataset_dir, target.tokenizer))
-        print(f"generate: {num_rows} conversations, {num_tokens} generated tokens -> {dataset_dir}")
+        scored = f" + {num_scored} scored source tokens" if num_scored else ""
+        print(f"generate: {num_rows} conversations, {num_tokens} generated tokens{scored} -> {dataset_dir}")
     tracker.finish()
     state.wait_for_everyone()
     return out
@@ -324,12 +372,14 @@ def example(dataset_dir: Path, tokenizer, width: int = 300) -> str:
     """The target's regenerated first answer in the first conversation, shortened."""
     import datasets
 
-    row = datasets.load_from_disk(str(dataset_dir))[0]
+    rows = datasets.load_from_disk(str(dataset_dir))
+    row = next((r for r in rows if r["answers"] == "target"), rows[0])
     mask = row["loss_mask"]
     start = mask.index(1)
     end = next((i for i in range(start, len(mask)) if not mask[i]), len(mask))
     answer = " ".join(tokenizer.decode(row["input_ids"][start:end], skip_special_tokens=True).split())
-    return f"first regenerated answer ({row['source']} {row['id']}): {answer[:width]}{' ...' if len(answer) > width else ''}"
+    kind = "regenerated" if row["answers"] == "target" else "scored source"
+    return f"first {kind} answer ({row['source']} {row['id']}): {answer[:width]}{' ...' if len(answer) > width else ''}"
 
 
 def shard_name(index: int) -> str:
@@ -343,10 +393,10 @@ def write_shard(path: Path, rows: list[dict], topk: int) -> None:
         datasets.Dataset.from_list(rows, features=features(topk)).save_to_disk(str(tmp))
 
 
-def merge_shards(shard_paths: list[Path], dataset_dir: Path) -> tuple[int, int]:
-    """Concatenate the shards in index order into one dataset; (rows, generated tokens)."""
+def merge_shards(shard_paths: list[Path], dataset_dir: Path) -> tuple[int, int, int]:
+    """Concatenate the shards in index order into one dataset; (rows, generated tokens, scored
+    source tokens)."""
     import datasets
-    import pyarrow.compute as pc
 
     missing = [p.name for p in shard_paths if not p.is_dir()]
     if missing:
@@ -354,5 +404,7 @@ def merge_shards(shard_paths: list[Path], dataset_dir: Path) -> tuple[int, int]:
     merged = datasets.concatenate_datasets([datasets.load_from_disk(str(p)) for p in shard_paths])
     with atomic_dir(dataset_dir) as tmp:
         merged.save_to_disk(str(tmp))
-    num_tokens = pc.sum(pc.list_flatten(merged.data.column("loss_mask"))).as_py() or 0
-    return len(merged), num_tokens
+    table = merged.data
+    masks = table.column("loss_mask").to_pylist()
+    scored = sum(sum(m) for m, a in zip(masks, table.column("answers").to_pylist()) if a == "source")
+    return len(merged), sum(sum(m) for m in masks) - scored, scored

@@ -5,8 +5,9 @@ A record is one of
   {"conversations": [{"from": "human", "value": ...}, ...]}      (ShareGPT)
   {"prompt": "..."}                                              (plain prompt)
   {"turns": ["...", "..."], "category": ...}                     (MT-bench)
-Only user turns (and a leading system message) are kept: the target regenerates every
-answer. A bad record is skipped and counted under a reason, never a crash; a file with no
+User turns (and a leading system message) are kept, and the source's own answer to each
+(`assistant_turns`, when it has one): the target regenerates answers, or only scores these
+(generate.target_answers). A bad record is skipped and counted under a reason, never a crash; a file with no
 usable record at all is an error.
 """
 
@@ -41,6 +42,8 @@ class Conversation:
     user_turns: list[str]
     system: Optional[str] = None
     category: str = ""
+    assistant_turns: list[str] = field(default_factory=list)
+    """The source's answers: assistant_turns[i] answers user_turns[i] (may be shorter)."""
 
 
 @dataclass
@@ -165,12 +168,17 @@ def to_conversation(record: Any, source: str, index: int) -> Union[Conversation,
     if turns is None:
         return Skipped("malformed")
     system = turns[0][1] if turns and turns[0][0] == "system" else None
-    user_turns = []
+    user_turns, answers, aligned = [], [], True
     for role, content in turns:
+        if role == "assistant":
+            if aligned and len(answers) == len(user_turns) - 1 and content.strip():
+                answers.append(content)
+            continue
         if role != "user":
             continue
         if not content.strip():
             break  # an empty question ends the usable part of the conversation
+        aligned = aligned and len(answers) == len(user_turns)  # the source's answers stop at a gap
         user_turns.append(content)
     if not user_turns:
         return Skipped("empty")
@@ -182,6 +190,7 @@ def to_conversation(record: Any, source: str, index: int) -> Union[Conversation,
         user_turns=user_turns,
         system=system if system and system.strip() else None,
         category=category if isinstance(category, str) else "",
+        assistant_turns=answers,
     )
 
 

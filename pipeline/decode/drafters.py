@@ -88,7 +88,12 @@ def lookup(seq: list[int], k: int, max_ngram: int, min_ngram: int) -> list[int]:
 
 class ModelDrafter:
     """A separate small causal LM with the target's tokenizer, with its own KV cache kept in
-    step with the accepted tokens."""
+    step with the accepted tokens.
+
+    A draft whose LM head covers only a draft vocabulary carries `draft_to_target` (draft
+    index -> target id, distill/draft.py): its proposals are mapped back to target ids, and
+    when sampling its distribution is spread onto the target's vocabulary (zero elsewhere).
+    """
 
     name = "draft_model"
 
@@ -96,6 +101,8 @@ class ModelDrafter:
                  generator: Optional[torch.Generator] = None):
         self.model = model
         self.temperature, self.top_p, self.generator = temperature, top_p, generator
+        self.to_target = getattr(model, "draft_to_target", None)
+        self.vocab_size = model.config.vocab_size
 
     def start(self, prompts: torch.Tensor, prompt_valid: torch.Tensor) -> None:
         self.kv = SlotCache(self.model, prompts.shape[0], prompts.device)
@@ -122,9 +129,13 @@ class ModelDrafter:
             if self.temperature > 0:
                 q = process_logits(logits, self.temperature, self.top_p)
                 token = sample(q, self.generator)
+                if self.to_target is not None:
+                    q = q.new_zeros((q.shape[0], self.vocab_size)).index_copy_(1, self.to_target, q)
                 probs.append(q)
             else:
                 token = logits.argmax(dim=-1)
+            if self.to_target is not None:
+                token = self.to_target[token]
             tokens.append(token)
             if i < k - 1:
                 logits = self.kv.forward(token[:, None])[:, -1]

@@ -4,13 +4,21 @@ A new draft copies the target's config with fewer (or narrower) layers, so it sp
 target's tokenizer and vocabulary, and starts from the target's embeddings, LM head and
 final norm, optionally from some of its decoder layers. An existing model must have the
 target's vocabulary; it is trained fully or through LoRA adapters (merged when saved).
+
+A draft vocabulary (draft.draft_vocab_size) is the set of target tokens the draft may
+propose: the most frequent answer tokens of the training data, saved beside the draft as
+draft_vocab.safetensors (`draft_to_target`: draft index -> target id). At decode time the
+draft's LM head keeps only those rows: a small draft spends most of its time in its LM head
+over the full 49k vocabulary, and a token it never proposes costs nothing. Acceptance stays
+lossless (any proposal distribution is); it only loses the rare target tokens outside the set.
 """
 
 from __future__ import annotations
 
 import copy
+from collections import Counter
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Iterable, Optional, Sequence
 
 import torch
 
@@ -108,6 +116,55 @@ def pretrained_draft(path: str, target: torch.nn.Module, *, trust_remote_code: b
     return draft.to(next(target.parameters()).device)
 
 
+DRAFT_VOCAB_FILE = "draft_vocab.safetensors"
+
+
+def frequent_tokens(labels: Iterable[int], size: int, vocab_size: int) -> torch.Tensor:
+    """The `size` most frequent of `labels` (ties: lower id first), topped up with the lowest
+    unused ids when fewer distinct tokens occur; sorted ascending, int64."""
+    counts = Counter(labels)
+    chosen = [t for t, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:size]]
+    if len(chosen) < size:
+        used = set(chosen)
+        chosen += [t for t in range(vocab_size) if t not in used][: size - len(chosen)]
+    return torch.tensor(sorted(chosen), dtype=torch.long)
+
+
+def save_draft_vocab(ids: torch.Tensor, folder: Path) -> None:
+    from safetensors.torch import save_file
+
+    save_file({"draft_to_target": ids.to(torch.int64).cpu().contiguous()}, str(Path(folder) / DRAFT_VOCAB_FILE))
+
+
+def read_draft_vocab(folder: Path, vocab_size: int) -> Optional[torch.Tensor]:
+    """The draft vocabulary saved with a draft, or None when it proposes from the full vocabulary."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    path = Path(folder) / DRAFT_VOCAB_FILE
+    if not path.is_file():
+        return None
+    try:
+        ids = load_file(str(path)).get("draft_to_target")
+    except (SafetensorError, OSError) as e:
+        raise PipelineError(f"cannot read {path}: {e}") from None
+    if ids is None or ids.dim() != 1 or ids.dtype != torch.int64 or not len(ids) \
+            or int(ids.min()) < 0 or int(ids.max()) >= vocab_size or len(ids.unique()) != len(ids):
+        raise PipelineError(f"{path}: draft_to_target must be distinct int64 token ids below {vocab_size}")
+    return ids
+
+
+def restrict_vocabulary(draft: torch.nn.Module, ids: torch.Tensor) -> None:
+    """Keep only the LM-head rows of `ids` (a new, untied head), in place; the draft's logits
+    then index ids, and `draft.draft_to_target` maps them back to target tokens."""
+    head = draft.get_output_embeddings()
+    weight = head.weight.detach()[ids.to(head.weight.device)].clone()
+    new = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device, dtype=weight.dtype)
+    new.weight = torch.nn.Parameter(weight, requires_grad=False)
+    draft.set_output_embeddings(new)
+    draft.draft_to_target = ids.to(weight.device)
+
+
 def check_vocabulary(draft: torch.nn.Module, target: torch.nn.Module, name: str) -> None:
     if draft.config.vocab_size != target.config.vocab_size:
         raise PipelineError(f"draft {name} has a vocabulary of {draft.config.vocab_size} tokens but the target has "
@@ -123,11 +180,15 @@ def add_lora(draft: torch.nn.Module, *, rank: int, alpha: float, dropout: float,
     return get_peft_model(draft, config)
 
 
-def save_draft(draft: torch.nn.Module, tokenizer, folder: Path, state_dict: Optional[dict] = None) -> None:
-    """save_pretrained (safetensors) with LoRA merged in and the target's tokenizer beside it.
-    The draft itself is left as it is (merging a copy), so training can go on."""
+def save_draft(draft: torch.nn.Module, tokenizer, folder: Path, state_dict: Optional[dict] = None,
+               draft_vocab: Optional[torch.Tensor] = None) -> None:
+    """save_pretrained (safetensors) with LoRA merged in and the target's tokenizer beside it
+    (and the draft vocabulary, if any). The draft itself is left as it is (merging a copy), so
+    training can go on."""
     model = copy.deepcopy(draft).merge_and_unload() if hasattr(draft, "merge_and_unload") else draft
     # state_dict: weights gathered elsewhere (DeepSpeed ZeRO-3 leaves the module's own empty).
     state = {k: v.contiguous() for k, v in (state_dict or model.state_dict()).items()}
     model.save_pretrained(folder, state_dict=state, safe_serialization=True)
     tokenizer.save_pretrained(folder)
+    if draft_vocab is not None:
+        save_draft_vocab(draft_vocab, folder)

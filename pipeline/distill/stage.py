@@ -29,7 +29,9 @@ from tqdm.auto import tqdm
 
 from pipeline.config import Config, DistillConfig
 from pipeline.distill.data import Batch, Example, collate, global_batch_indices, load_examples, micro_batches, split_heldout
-from pipeline.distill.draft import add_lora, check_vocabulary, new_draft, pretrained_draft, save_draft
+from pipeline.distill.draft import (
+    add_lora, check_vocabulary, frequent_tokens, new_draft, pretrained_draft, save_draft,
+)
 from pipeline.distill.losses import Teacher, distill_loss, expected_acceptance
 from pipeline.errors import PipelineError
 from pipeline.models import load_target
@@ -65,6 +67,11 @@ class DraftForDistill(torch.nn.Module):
 
     def forward(self, input_ids, attention_mask, rows, cols) -> torch.Tensor:
         return selected_logits(self.draft, input_ids, attention_mask, rows, cols)
+
+
+def answer_tokens(examples: list[Example]) -> list[int]:
+    """The target tokens the draft learns to predict (each learned position's next token)."""
+    return [ex.input_ids[t + 1] for ex in examples for t in ex.positions]
 
 
 def build_draft(cfg: Config, target) -> torch.nn.Module:
@@ -259,6 +266,13 @@ def run(cfg: Config) -> Path:
                             f"{len(heldout)} out; generate more data or lower distill.eval_fraction")
     # What decides the result: a checkpoint of another plan is never resumed.
     plan = plan_key(cfg, gen_manifest)
+    vocab_size = target.model.config.vocab_size
+    draft_vocab, coverage = None, None
+    if 0 < cfg.draft.draft_vocab_size < vocab_size:
+        draft_vocab = frequent_tokens(answer_tokens(train), cfg.draft.draft_vocab_size, vocab_size)
+        held_tokens = torch.tensor(answer_tokens(heldout), dtype=torch.long)
+        if len(held_tokens):
+            coverage = torch.isin(held_tokens, draft_vocab).float().mean().item()
     pad_id = target.tokenizer.pad_token_id
 
     if main and not dc.resume and out.exists():
@@ -274,7 +288,7 @@ def run(cfg: Config) -> Path:
         target.model = None  # an offline teacher needs no target weights past this point
     if main and not (out / "initial" / "config.json").is_file():
         with atomic_dir(out / "initial") as tmp:
-            save_draft(draft, target.tokenizer, tmp)
+            save_draft(draft, target.tokenizer, tmp, draft_vocab=draft_vocab)
     model = DraftForDistill(draft)
     trainable = [p for p in model.parameters() if p.requires_grad]
     num_trainable = sum(p.numel() for p in trainable)
@@ -376,14 +390,16 @@ def run(cfg: Config) -> Path:
         final = {k.removeprefix("draft."): v for k, v in state.items()} if main else None
     if main:
         with atomic_dir(out / "checkpoint") as tmp:
-            save_draft(unwrapped, target.tokenizer, tmp, state_dict=final)
+            save_draft(unwrapped, target.tokenizer, tmp, state_dict=final, draft_vocab=draft_vocab)
         shutil.rmtree(out / "state", ignore_errors=True)
         train_s = time.perf_counter() - t_start
         metrics = dict(final_loss=last_loss, heldout_alpha_start=alpha_start, heldout_alpha_end=alpha_end,
                        steps=dc.max_steps, trainable_parameters=num_trainable, processes=world,
                        distributed=accelerator.distributed_type.name,
                        teacher="offline" if offline else "online", train_conversations=len(train),
-                       heldout_conversations=len(heldout), skipped_records=skipped, wall_time_s=train_s)
+                       heldout_conversations=len(heldout), skipped_records=skipped, wall_time_s=train_s,
+                       draft_vocab_size=len(draft_vocab) if draft_vocab is not None else vocab_size,
+                       draft_vocab_heldout_coverage=coverage)
         tracker.log({f"distill/{k}": v for k, v in metrics.items() if isinstance(v, (int, float)) and v is not None})
         tracker.finish()
         write_manifest(out, stage=STAGE, config=dataclasses.asdict(cfg), target_fingerprint=fingerprint,

@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 from pipeline.config import Config
 from pipeline.data.chat import eos_token_ids, first_prompt_ids, load_chat_data
 from pipeline.decode.layout import decode_layout
-from pipeline.distill.draft import check_vocabulary
+from pipeline.distill.draft import check_vocabulary, read_draft_vocab, restrict_vocabulary
 from pipeline.errors import PipelineError
 from pipeline.eval.measure import (
     Measurement, Method, Settings, forward_seconds, greedy_divergences, make_decode, measure, predicted_speedup,
@@ -46,6 +46,7 @@ def load_draft(path: Path, target: Target) -> torch.nn.Module:
     except (OSError, ValueError) as e:
         raise PipelineError(f"cannot load a draft model from {path}: {str(e).strip().splitlines()[0]}") from None
     check_vocabulary(draft, target.model, str(path))
+    draft.draft_to_target = read_draft_vocab(path, target.model.config.vocab_size)
     return draft.to(target.device).eval()
 
 
@@ -62,18 +63,27 @@ def find_drafts(cfg: Config, target: Target) -> dict[str, torch.nn.Module]:
     return drafts
 
 
-def with_decode_layout(model: torch.nn.Module, drafts: dict[str, torch.nn.Module], copy_drafts: bool):
-    """Lay out the target and drafts for our decoder (see decode/layout.py; CPU only).
+def prepare_for_decoding(model: torch.nn.Module, drafts: dict[str, torch.nn.Module], *, layout: bool,
+                         compare_hf: bool):
+    """Prepare the target and drafts for our decoder, in place: drafts with a draft vocabulary
+    keep only its LM-head rows (distill/draft.py), and on CPU with `layout` every linear layer
+    runs few-row inputs through the small-batch product (decode/layout.py).
 
-    Returns the target and (with copy_drafts, for HF assisted generation) the drafts for
-    HF's methods: copies as transformers loaded them, so that HF generate runs on the model
-    every transformers user gets. The copy costs the target's weights in memory once more."""
-    if next(model.parameters()).device.type != "cpu":
-        return model, dict(drafts)
-    hf_model = copy.deepcopy(model)
-    hf_drafts = {name: copy.deepcopy(d) for name, d in drafts.items()} if copy_drafts else {}
-    moved = sum(decode_layout(m) for m in (model, *drafts.values()))
-    log.info("decode layout: %d linear weights stored input-major for our decoder; HF methods use a copy", moved)
+    Returns the target and drafts for HF's methods: copies as transformers loaded them (where
+    anything changed), so that HF generate runs on the model every transformers user gets. The
+    copy costs the target's weights in memory once more."""
+    layout = layout and next(model.parameters()).device.type == "cpu"
+    restricted = {name for name, d in drafts.items() if getattr(d, "draft_to_target", None) is not None}
+    hf_model = copy.deepcopy(model) if layout else model
+    hf_drafts = {name: copy.deepcopy(d) if layout or name in restricted else d
+                 for name, d in drafts.items()} if compare_hf else {}
+    for name in restricted:
+        restrict_vocabulary(drafts[name], drafts[name].draft_to_target)
+        log.info("%s proposes from its draft vocabulary of %d tokens", name, len(drafts[name].draft_to_target))
+    if layout:
+        moved = sum(decode_layout(m) for m in (model, *drafts.values()))
+        log.info("decode layout: %d linear layers use the small-batch product for our decoder; "
+                 "HF methods use a copy", moved)
     return hf_model, hf_drafts
 
 
@@ -120,9 +130,7 @@ def run(cfg: Config) -> Path:
     tok = target.tokenizer
     data = load_chat_data(cfg.data, tok)
     convs = data.conversations
-    hf_model, hf_drafts = target.model, dict(drafts)
-    if ev.decode_layout:
-        hf_model, hf_drafts = with_decode_layout(target.model, drafts, copy_drafts=ev.compare_hf)
+    hf_model, hf_drafts = prepare_for_decoding(target.model, drafts, layout=ev.decode_layout, compare_hf=ev.compare_hf)
     settings = Settings(model=target.model, tokenizer=tok, eos_ids=set(eos_token_ids(target.model, tok)),
                         max_new_tokens=ev.max_new_tokens, temperature=ev.temperature, top_p=ev.top_p,
                         seed=cfg.seed, ngram_max=ev.ngram_max, ngram_min=ev.ngram_min, hf_model=hf_model)

@@ -127,8 +127,9 @@ def test_stage_writes_dataset_topk_logits_and_manifest(tiny, tiny_target_dir, ch
     assert out == tmp_path / "t" / "generate"
     ds = datasets.load_from_disk(str(out / "dataset"))
     assert len(ds) == 12 and len(set(ds["id"])) == 12
-    assert set(ds.column_names) == {"id", "source", "category", "num_turns", "input_ids", "loss_mask",
+    assert set(ds.column_names) == {"id", "source", "category", "num_turns", "answers", "input_ids", "loss_mask",
                                     "topk_ids", "topk_logits"}
+    assert set(ds["answers"]) == {"target"}
     assert not (out / "shards").exists()
 
     manifest = json.loads((out / MANIFEST).read_text())
@@ -233,3 +234,29 @@ def test_two_processes_split_the_work_and_merge_into_one_dataset(tiny_target_dir
     got = load_rows(tmp_path / "t" / "generate" / "dataset")
     assert [r["id"] for r in got] == [f"p{i}" for i in range(60)]
     assert got == load_rows(tmp_path / "one" / "generate" / "dataset")
+
+
+def test_source_answers_are_kept_and_scored_instead_of_regenerated(tiny, tiny_target_dir, chat_file, tmp_path):
+    """generate.target_answers=0: records that carry answers keep them; the others are regenerated."""
+    from pipeline.data.chat import encode
+    from pipeline.data.generate import end_of_turn_id
+
+    cfg = compose_config(*stage_overrides(tiny_target_dir, chat_file, tmp_path, "generate.save_topk_logits=4",
+                                          "generate.target_answers=0.0"))
+    out = generate.run(cfg)
+    ds = datasets.load_from_disk(str(out / "dataset"))
+    by_id = {r["id"]: r for r in ds}
+    kept = [i for i in by_id if i.startswith("c")]  # the records with an assistant answer
+    assert kept and all(by_id[i]["answers"] == "source" for i in kept)
+    assert all(r["answers"] == "target" for i, r in by_id.items() if i not in kept)
+    eot = end_of_turn_id(tiny.tokenizer, [tiny.tokenizer.eos_token_id])
+    want = encode(tiny.tokenizer, "old answer") + [eot]
+    for i in kept:
+        row = by_id[i]
+        assert row["num_turns"] == 1  # the source answers only the first question
+        answer = [t for t, m in zip(row["input_ids"], row["loss_mask"]) if m]
+        assert answer == want[:8] and len(row["topk_ids"]) == len(answer)
+    manifest = json.loads((out / MANIFEST).read_text())
+    assert manifest["num_scored_source_tokens"] == sum(sum(by_id[i]["loss_mask"]) for i in kept) > 0
+    assert manifest["num_generated_tokens"] + manifest["num_scored_source_tokens"] == \
+        sum(sum(m) for m in ds["loss_mask"])

@@ -17,7 +17,7 @@ def test_chat_sharegpt_and_prompt_records_normalise_alike():
     sharegpt = {"id": "a", "conversations": [
         {"from": "system", "value": "Be brief."},
         {"from": "human", "value": "Q1"}, {"from": "gpt", "value": "A1"}, {"from": "human", "value": "Q2"}]}
-    want = Conversation(id="a", source="x", user_turns=["Q1", "Q2"], system="Be brief.")
+    want = Conversation(id="a", source="x", user_turns=["Q1", "Q2"], system="Be brief.", assistant_turns=["A1"])
     assert to_conversation(chat, "x", 0) == want
     assert to_conversation(sharegpt, "x", 0) == want
     assert to_conversation({"prompt": "Q"}, "x", 7) == Conversation(id="x-7", source="x", user_turns=["Q"])
@@ -27,6 +27,14 @@ def test_mtbench_record_keeps_category_and_both_turns():
     rec = {"question_id": 81, "category": "writing", "turns": ["first", "second"]}
     conv = to_conversation(rec, "mtbench", 0)
     assert (conv.id, conv.category, conv.user_turns) == ("81", "writing", ["first", "second"])
+    assert conv.assistant_turns == []
+
+
+def test_source_answers_stop_at_the_first_unanswered_question():
+    rec = {"messages": [{"role": "user", "content": "Q1"}, {"role": "user", "content": "Q2"},
+                        {"role": "assistant", "content": "A2"}, {"role": "user", "content": "Q3"}]}
+    conv = to_conversation(rec, "x", 0)
+    assert conv.user_turns == ["Q1", "Q2", "Q3"] and conv.assistant_turns == []
 
 
 @pytest.mark.parametrize("record, reason", [

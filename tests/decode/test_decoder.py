@@ -1,5 +1,7 @@
 """The decoder's contract on tiny and stub models: lossless greedy, exact bookkeeping, edge cases."""
 
+import copy
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -122,20 +124,34 @@ def tiny_llama(seed, layers=2, vocab=VOCAB):
     return LlamaForCausalLM(config).eval()
 
 
+def restricted(model, ids):
+    from pipeline.distill.draft import restrict_vocabulary
+
+    draft = copy.deepcopy(model)
+    restrict_vocabulary(draft, torch.tensor(ids))
+    return draft
+
+
 @pytest.mark.parametrize("k", [1, 3, 5])
-@pytest.mark.parametrize("drafter_kind", ["ngram", "draft_model", "self"])
+@pytest.mark.parametrize("drafter_kind", ["ngram", "draft_model", "self", "self_permuted_vocab", "draft_vocab"])
 def test_greedy_output_equals_plain_decoding_on_a_tiny_llama(k, drafter_kind):
     target = tiny_llama(0)
     prompts = [[3, 7, 1, 9, 3, 7], [5, 2], [8, 8, 8, 1, 2, 3, 4, 5, 6, 7, 8]]
     drafter = {"ngram": lambda: NgramDrafter(), "draft_model": lambda: ModelDrafter(tiny_llama(1, layers=1)),
-               "self": lambda: ModelDrafter(target)}[drafter_kind]()
+               "self": lambda: ModelDrafter(target),
+               # the target's own LM head rows in another order: every proposal maps back right
+               "self_permuted_vocab": lambda: ModelDrafter(restricted(target, torch.randperm(VOCAB).tolist())),
+               # half the vocabulary: proposals stay within it, outputs stay the target's
+               "draft_vocab": lambda: ModelDrafter(restricted(target, list(range(0, VOCAB, 2))))}[drafter_kind]()
     spec = speculative_decode(target, drafter, prompts, num_draft_tokens=k, max_new_tokens=30,
                               eos_ids={EOS}, pad_id=PAD)
     for row, prompt in enumerate(prompts):
         alone = plain_decode(target, [prompt], max_new_tokens=30, eos_ids={EOS}, pad_id=PAD)
         assert spec.tokens[row] == alone.tokens[0]
-    if drafter_kind == "self":  # a draft identical to the target accepts everything
+    if drafter_kind in ("self", "self_permuted_vocab"):  # a draft identical to the target accepts everything
         assert all(a == 1.0 for a in spec.acceptance_by_position)
+    if drafter_kind == "draft_vocab":  # accepted where the target's token is even, never elsewhere
+        assert 0 < spec.acceptance_by_position[0] < 1
 
 
 def test_plain_decoding_equals_hf_generate_on_a_tiny_llama():
@@ -163,7 +179,24 @@ def test_in_place_cache_matches_a_full_forward_after_crops_and_row_selection():
     torch.testing.assert_close(logits, full[:, 5:7], atol=1e-5, rtol=1e-4)
 
 
-def test_decode_layout_changes_memory_order_not_the_function():
+def test_small_batch_linear_matches_nn_linear():
+    from pipeline.decode.layout import MAX_ROWS, SmallBatchLinear
+
+    torch.manual_seed(0)
+    for bias in (False, True):
+        plain = torch.nn.Linear(48, 80, bias=bias)
+        fast = copy.deepcopy(plain)
+        fast.__class__ = SmallBatchLinear
+        for shape in [(1, 48), (1, 1, 48), (2, 3, 48), (5, 48), (1, MAX_ROWS + 1, 48), (0, 48)]:
+            x = torch.randn(shape)
+            with torch.inference_mode():
+                torch.testing.assert_close(fast(x), plain(x), rtol=1e-5, atol=1e-6)
+        x = torch.randn(3, 48, requires_grad=True)  # gradients flow through the small-batch product
+        fast(x).sum().backward()
+        assert x.grad is not None and fast.weight.grad is not None
+
+
+def test_decode_layout_keeps_the_function():
     from pipeline.decode.layout import decode_layout, is_decode_layout
 
     torch.manual_seed(0)

@@ -14,6 +14,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from pipeline.decode import ModelDrafter, NgramDrafter, speculative_decode
 from pipeline.decode.sampling import accept_sampling, process_logits
+from pipeline.distill.draft import restrict_vocabulary
 
 VOCAB = 6
 P_VALUE = 1e-3  # fixed seeds make every test deterministic; this is the bar each must clear
@@ -91,6 +92,7 @@ def test_top_p_keeps_the_smallest_prefix_reaching_p():
     ("draft_model", 2, 1.0, 1.0),
     ("draft_model", 4, 0.7, 0.9),
     ("ngram", 3, 1.0, 1.0),
+    ("draft_vocab", 2, 1.0, 1.0),  # a draft proposing from 4 of the 6 tokens
 ])
 def test_speculative_sampling_matches_the_target_distribution(drafter_kind, k, temperature, top_p):
     target = sharp_llama(0, scale=15.0)
@@ -101,8 +103,13 @@ def test_speculative_sampling_matches_the_target_distribution(drafter_kind, k, t
     prompt = start + [1, 4]
     length, n = 3, 24_000
     gen = torch.Generator().manual_seed(1)
-    drafter = (ModelDrafter(sharp_llama(7, scale=15.0), temperature, top_p, gen) if drafter_kind == "draft_model"
-               else NgramDrafter(temperature=temperature, vocab_size=VOCAB))
+    if drafter_kind == "ngram":
+        drafter = NgramDrafter(temperature=temperature, vocab_size=VOCAB)
+    else:
+        draft = sharp_llama(7, scale=15.0)
+        if drafter_kind == "draft_vocab":
+            restrict_vocabulary(draft, torch.tensor([0, 2, 3, 5]))
+        drafter = ModelDrafter(draft, temperature, top_p, gen)
     # One batch of n identical prompts: rows are independent samples that accept different lengths.
     out = speculative_decode(target, drafter, [prompt] * n, num_draft_tokens=k, max_new_tokens=length,
                              eos_ids=set(), pad_id=0, temperature=temperature, top_p=top_p, generator=gen)

@@ -43,13 +43,17 @@ def fresh_run(generated, tmp_path):
 
 def test_distill_writes_a_draft_that_eval_finds(tiny_target_dir, generated, tmp_path):
     runs = fresh_run(generated, tmp_path)
-    out = distill.run(compose_config(*overrides(tiny_target_dir, runs), stage="distill"))
+    out = distill.run(compose_config(*overrides(tiny_target_dir, runs, "draft.draft_vocab_size=40"), stage="distill"))
     for name in ("checkpoint/config.json", "checkpoint/model.safetensors", "checkpoint/tokenizer.json",
-                 "initial/model.safetensors", "metrics.jsonl", "manifest.json"):
+                 "checkpoint/draft_vocab.safetensors", "initial/model.safetensors",
+                 "initial/draft_vocab.safetensors", "metrics.jsonl", "manifest.json"):
         assert (out / name).is_file(), name
     assert not (out / "state").exists()
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["metrics"]["teacher"] == "offline" and manifest["metrics"]["steps"] == 6
+    assert manifest["metrics"]["draft_vocab_size"] == 40 and 0 < manifest["metrics"]["draft_vocab_heldout_coverage"] <= 1
+    vocab = load_file(out / "checkpoint/draft_vocab.safetensors")["draft_to_target"]
+    assert vocab.shape == (40,) and torch.equal(vocab, load_file(out / "initial/draft_vocab.safetensors")["draft_to_target"])
     assert manifest["inputs"]["generate"]["manifest"].endswith("generate/manifest.json")
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
@@ -66,6 +70,7 @@ def test_distill_writes_a_draft_that_eval_finds(tiny_target_dir, generated, tmp_
     report = json.loads((evaluation.run(cfg) / "report.json").read_text())
     assert report["methods"]["draft_model"]["drafter"] == "draft_model"
     assert report["methods"]["draft_model"]["lossless"] is True
+    assert report["costs"]["draft_cost_ratio"]["draft_model"] > 0
 
 
 @pytest.mark.parametrize("teacher", ["online", "offline"])

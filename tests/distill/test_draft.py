@@ -67,3 +67,29 @@ def test_a_narrow_draft_starts_from_scratch(target):
                       num_key_value_heads=1, init_embeddings=False)
     assert draft.config.hidden_size == 16 and draft.lm_head.weight.shape == (64, 16)
     assert draft(torch.tensor([[1, 2]])).logits.shape == (1, 2, 64)
+
+
+def test_frequent_tokens_ranks_by_count_then_id_and_tops_up():
+    from pipeline.distill.draft import frequent_tokens
+
+    assert frequent_tokens([5, 5, 5, 2, 2, 9, 7], 3, 10).tolist() == [2, 5, 7]  # 7 and 9 tie: lower id first
+    assert frequent_tokens([4, 4], 3, 10).tolist() == [0, 1, 4]
+
+
+def test_draft_vocabulary_is_saved_read_and_checked(target, tmp_path):
+    from pipeline.distill.draft import read_draft_vocab, restrict_vocabulary, save_draft_vocab
+
+    assert read_draft_vocab(tmp_path, 64) is None
+    ids = torch.tensor([1, 4, 9])
+    save_draft_vocab(ids, tmp_path)
+    assert read_draft_vocab(tmp_path, 64).tolist() == [1, 4, 9]
+    with pytest.raises(PipelineError, match="below 5"):
+        read_draft_vocab(tmp_path, 5)
+    draft = new_draft(target, num_layers=1, init_layers=[0])
+    x = torch.tensor([[3, 1, 4]])
+    with torch.inference_mode():
+        full = draft(x).logits
+        restrict_vocabulary(draft, ids)
+        small = draft(x).logits
+    torch.testing.assert_close(small, full[..., ids])
+    assert draft.draft_to_target.tolist() == [1, 4, 9]
