@@ -21,7 +21,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 demo: setup
-	$(PY) -m pipeline stage=generate experiment=demo $(ARGS)
+	$(PY) -m pipeline stage=all experiment=demo $(ARGS)
 
 test: setup
 	$(PY) -m pytest -q

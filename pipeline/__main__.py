@@ -12,7 +12,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from pipeline.config import Config, register_configs, to_config
-from pipeline import data, distill, eval as evaluation
+from pipeline import data, distill, eval as evaluation, export
 from pipeline.errors import PipelineError
 
 log = logging.getLogger("pipeline")
@@ -23,6 +23,7 @@ STAGES: dict[str, Callable[[Config], Path]] = {
     "generate": data.run,
     "distill": distill.run,
     "eval": evaluation.run,
+    "export": export.run,
 }
 
 register_configs()

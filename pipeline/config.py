@@ -143,6 +143,11 @@ class EvalConfig:
     """Prompts decoded together (speed is reported per batch size; 1 is the standard)."""
     draft: Optional[str] = None
     """Another draft model folder (save_pretrained, same vocabulary) to measure as draft_model."""
+    bundle: Optional[str] = None
+    """An exported bundle (stage=export) to measure: checked against its checksums and this
+    target's fingerprint, run at its own num_draft_tokens unless eval.num_draft_tokens is set."""
+    max_prompts: Optional[int] = None
+    """Evaluate only the first N conversations of the data (data.limit also limits generate under stage=all)."""
     ngram: bool = True
     """Measure prompt-lookup (ngram) drafting."""
     ngram_max: int = 3
@@ -151,13 +156,14 @@ class EvalConfig:
     compare_hf: bool = False
     """Also run HF assisted generation and prompt lookup with the same drafts and num_draft_tokens."""
     decode_layout: bool = True
-    """On CPU, our decoder stores linear weights input-major (pipeline/decode/layout.py); HF's
-    methods keep a copy in transformers' layout. false: both share the model as loaded."""
+    """On CPU, our decoder runs few-row inputs of every linear layer as (W @ x.T).T
+    (pipeline/decode/layout.py); HF's methods keep an untouched copy. false: both share the
+    model as loaded."""
 
     def __post_init__(self) -> None:
         if self.num_draft_tokens != "auto" and not (str(self.num_draft_tokens).isdigit() and int(self.num_draft_tokens) > 0):
             raise ValueError(f"eval.num_draft_tokens must be auto or a positive integer, got {self.num_draft_tokens!r}")
-        for name in ("max_new_tokens", "sweep_prompts", "batch_size", "ngram_max", "ngram_min"):
+        for name in ("max_new_tokens", "sweep_prompts", "batch_size", "ngram_max", "ngram_min", "max_prompts"):
             _check_positive(f"eval.{name}", getattr(self, name))
         if not self.sweep or min(self.sweep) < 1:
             raise ValueError(f"eval.sweep needs positive values, got {self.sweep}")
@@ -169,6 +175,14 @@ class EvalConfig:
     @property
     def fixed_num_draft_tokens(self) -> Optional[int]:
         return None if self.num_draft_tokens == "auto" else int(self.num_draft_tokens)
+
+
+@dataclass
+class ExportConfig:
+    """The export stage: the matched draft-target bundle of a run."""
+
+    dir: Optional[str] = None
+    """Where to write the bundle (default runs/<run>/export); an existing bundle there is replaced."""
 
 
 DRAFT_KINDS = ("new", "pretrained")
@@ -315,6 +329,7 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
     draft: DraftConfig = field(default_factory=DraftConfig)
     distill: DistillConfig = field(default_factory=DistillConfig)
+    export: ExportConfig = field(default_factory=ExportConfig)
     logger: LoggerConfig = MISSING
 
 

@@ -1,5 +1,7 @@
 """The CLI's contract: bad input gives one clear line on stderr and a non-zero exit."""
 
+from pathlib import Path
+
 import pytest
 
 from conftest import REPO, run_cli
@@ -91,3 +93,6 @@ def test_stage_all_runs_every_stage_with_its_own_defaults(tmp_path, tiny_target_
     assert proc.returncode == 0, proc.stderr[-2000:]
     for stage in ("generate", "distill", "eval"):
         assert (tmp_path / "runs" / "a" / stage / "manifest.json").is_file(), stage
+    bundle = tmp_path / "runs" / "a" / "export"
+    assert (bundle / "bundle.json").is_file() and (bundle / "SHA256SUMS").is_file()
+    assert f"export: bundle -> {Path('runs/a/export')}" in proc.stdout

@@ -50,7 +50,8 @@ def test_default_config():
 
 def test_demo_experiment_overrides():
     cfg = compose_config("experiment=demo")
-    assert cfg.run == "demo" and cfg.data.limit == 16 and cfg.generate.max_new_tokens == 64
+    assert cfg.run == "demo" and cfg.data.limit == 32 and cfg.generate.max_new_tokens == 64
+    assert cfg.distill.max_steps == 80 and cfg.eval.max_prompts == 3
 
 
 @pytest.mark.parametrize("override, message", [

@@ -50,9 +50,10 @@ def load_draft(path: Path, target: Target) -> torch.nn.Module:
     return draft.to(target.device).eval()
 
 
-def find_drafts(cfg: Config, target: Target) -> dict[str, torch.nn.Module]:
-    """The run's distilled draft (if its stage finished) and eval.draft, by method name."""
-    drafts = {}
+def find_drafts(cfg: Config, target: Target) -> tuple[dict[str, torch.nn.Module], dict[str, int]]:
+    """The run's distilled draft (if its stage finished), eval.draft and eval.bundle, by method
+    name; and the num_draft_tokens a bundle was exported with, by method name."""
+    drafts, bundle_k = {}, {}
     distill = stage_dir(cfg.runs_dir, cfg.run, "distill")
     if (distill / MANIFEST).is_file():
         read_manifest(distill, "distill", cfg.run)
@@ -60,7 +61,15 @@ def find_drafts(cfg: Config, target: Target) -> dict[str, torch.nn.Module]:
     if cfg.eval.draft:
         path = Path(cfg.eval.draft).expanduser()
         drafts["draft_model" if not drafts else f"draft_model:{path.name}"] = load_draft(path, target)
-    return drafts
+    if cfg.eval.bundle:
+        from pipeline.export import load_bundle
+
+        bundle = load_bundle(cfg.eval.bundle, target)
+        name = "draft_model" if not drafts else "draft_model:bundle"
+        drafts[name], bundle_k[name] = bundle.draft, bundle.num_draft_tokens
+        log.info("eval: bundle %s (target fingerprint and checksums verified), num_draft_tokens %d",
+                 bundle.path, bundle.num_draft_tokens)
+    return drafts, bundle_k
 
 
 def prepare_for_decoding(model: torch.nn.Module, drafts: dict[str, torch.nn.Module], *, layout: bool,
@@ -126,10 +135,10 @@ def run(cfg: Config) -> Path:
     ev = cfg.eval
 
     target = load_target(**dataclasses.asdict(cfg.target))
-    drafts = find_drafts(cfg, target)
+    drafts, bundle_k = find_drafts(cfg, target)
     tok = target.tokenizer
     data = load_chat_data(cfg.data, tok)
-    convs = data.conversations
+    convs = data.conversations[: ev.max_prompts]
     hf_model, hf_drafts = prepare_for_decoding(target.model, drafts, layout=ev.decode_layout, compare_hf=ev.compare_hf)
     settings = Settings(model=target.model, tokenizer=tok, eos_ids=set(eos_token_ids(target.model, tok)),
                         max_new_tokens=ev.max_new_tokens, temperature=ev.temperature, top_p=ev.top_p,
@@ -160,19 +169,26 @@ def run(cfg: Config) -> Path:
         make_decode("draft_model", short, 2, draft)([first_prompt_ids(tok, convs[0])])
 
     # Costs that explain speedups: a target forward of k+1 tokens and a draft forward, per target token.
-    ks = sorted(set(ev.sweep) | ({ev.fixed_num_draft_tokens} if ev.fixed_num_draft_tokens else set()))
+    ks = sorted(set(ev.sweep) | set(bundle_k.values())
+                | ({ev.fixed_num_draft_tokens} if ev.fixed_num_draft_tokens else set()))
     one = forward_seconds(target.model, 1)
     verify_cost = {k: forward_seconds(target.model, k + 1) / one for k in ks}
     draft_cost = {name: forward_seconds(d, 1) / one for name, d in drafts.items()}
     cost_of = lambda name: draft_cost.get(name, 0.0)
 
     sweeps, chosen = {}, {}
-    if ev.fixed_num_draft_tokens is None and spec:
+    if ev.fixed_num_draft_tokens is not None:
+        chosen = {name: ev.fixed_num_draft_tokens for name, _, _ in spec}
+    else:
+        chosen = dict(bundle_k)  # a bundle runs at the num_draft_tokens it was exported with
+    swept_spec = [(name, drafter, draft) for name, drafter, draft in spec if name not in chosen]
+    if swept_spec:
         candidates = {"plain": method("plain")}
-        candidates.update({f"{name} k={k}": method(drafter, k, draft) for name, drafter, draft in spec for k in ev.sweep})
+        candidates.update({f"{name} k={k}": method(drafter, k, draft) for name, drafter, draft in swept_spec
+                           for k in ev.sweep})
         swept = run_methods(candidates, convs[: ev.sweep_prompts], cfg.data.max_turns, "eval sweep")
         base = swept["plain"].total.tokens_per_s
-        for name, _, _ in spec:
+        for name, _, _ in swept_spec:
             rows = []
             for k in ev.sweep:
                 m = swept[f"{name} k={k}"]
@@ -183,8 +199,6 @@ def run(cfg: Config) -> Path:
                                                                      verify_cost[k], m.proposal_rate)))
             sweeps[name] = rows
             chosen[name] = max(rows, key=lambda r: r["tokens_per_s"])["num_draft_tokens"]
-    else:
-        chosen = {name: ev.fixed_num_draft_tokens for name, _, _ in spec}
 
     final = {"plain": method("plain"), "hf_generate": method("hf_generate")}
     hf_names = {}
@@ -201,7 +215,8 @@ def run(cfg: Config) -> Path:
     for name, drafter, draft in spec:
         k, m = chosen[name], results[name]
         entry = summary(m, plain, hf)
-        entry["num_draft_tokens_mode"] = "auto" if ev.fixed_num_draft_tokens is None else "fixed"
+        entry["num_draft_tokens_mode"] = ("auto" if name in sweeps
+                                          else "fixed" if ev.fixed_num_draft_tokens is not None else "bundle")
         entry["proposal_rate"] = m.proposal_rate
         entry["predicted_speedup"] = predicted_speedup(m.acceptance_by_position, cost_of(name), verify_cost[k],
                                                        m.proposal_rate)
@@ -243,6 +258,8 @@ def run(cfg: Config) -> Path:
     distill = stage_dir(cfg.runs_dir, cfg.run, "distill")
     if "draft_model" in drafts and (distill / MANIFEST).is_file():
         inputs["distill"] = {"manifest": str(distill / MANIFEST)}
+    if ev.bundle:
+        inputs["bundle"] = {"path": str(Path(ev.bundle).expanduser())}
     write_manifest(out, stage=STAGE, config=dataclasses.asdict(cfg), target_fingerprint=report["target"]["fingerprint"],
                    outputs={k: v for k, v in hash_tree(out).items() if k != MANIFEST},
                    wall_time_s=time.perf_counter() - t0, inputs=inputs)

@@ -1,0 +1,113 @@
+"""The bundle: a draft matched to one target, with the facts that make it safe to serve.
+
+Layout (`runs/<run>/export/` or export.dir):
+  bundle.json   method, num_draft_tokens, the target's name and fingerprint, tau and speedup
+                measured by eval, the training data and run, package versions, formats
+  draft/        the draft as a plain HF save_pretrained folder (safetensors, config.json,
+                tokenizer files): transformers' assistant_model=, a vLLM/SGLang draft model;
+                draft_vocab.safetensors beside it lets our decoder compute only its rows
+  eval/         the eval report (report.json, report.md) and plots the numbers come from
+  README.md     a model card written from the above
+  SHA256SUMS    sha256 of every other file, in `sha256sum -c` format
+
+Loading checks every checksum, that no file was added, and the target's fingerprint, and
+reads weights from safetensors only: nothing is unpickled.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from pipeline.errors import PipelineError
+from pipeline.models import Target
+from pipeline.runs import sha256_file
+
+BUNDLE_JSON = "bundle.json"
+CHECKSUMS = "SHA256SUMS"
+DRAFT_DIR = "draft"
+FORMAT_VERSION = 1
+
+
+@dataclass
+class Bundle:
+    path: Path
+    meta: dict[str, Any]
+    draft: torch.nn.Module
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return int(self.meta["num_draft_tokens"])
+
+
+def bundle_files(folder: Path) -> list[str]:
+    """Every file below `folder` but the checksum list, as sorted relative POSIX paths."""
+    return sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file() and p.name != CHECKSUMS)
+
+
+def write_checksums(folder: Path) -> None:
+    lines = [f"{sha256_file(folder / rel)}  {rel}\n" for rel in bundle_files(folder)]
+    (folder / CHECKSUMS).write_text("".join(lines))
+
+
+def verify_checksums(folder: Path) -> None:
+    """Every listed file exists with its sha256, and no file is unlisted; else a one-line error."""
+    listing = folder / CHECKSUMS
+    if not listing.is_file():
+        raise PipelineError(f"{folder} is not a bundle: {CHECKSUMS} is missing")
+    want = {}
+    for number, line in enumerate(listing.read_text().splitlines(), 1):
+        digest, sep, rel = line.partition("  ")
+        if not sep or len(digest) != 64 or not rel or rel.startswith("/") or ".." in Path(rel).parts:
+            raise PipelineError(f"{listing}: line {number} is not '<sha256>  <relative path>'")
+        want[rel] = digest
+    missing = [rel for rel in want if not (folder / rel).is_file()]
+    if missing:
+        raise PipelineError(f"bundle {folder}: file {missing[0]} is missing ({len(missing)} missing in all)")
+    extra = [rel for rel in bundle_files(folder) if rel not in want]
+    if extra:
+        raise PipelineError(f"bundle {folder}: file {extra[0]} is not in {CHECKSUMS} (added after export?)")
+    for rel, digest in want.items():
+        if sha256_file(folder / rel) != digest:
+            raise PipelineError(f"bundle {folder}: checksum mismatch for {rel} (the file was changed after export)")
+
+
+def read_bundle_json(folder: Path) -> dict[str, Any]:
+    import json
+
+    path = folder / BUNDLE_JSON
+    try:
+        meta = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise PipelineError(f"cannot read {path}: {e}") from None
+    for key in ("format_version", "method", "num_draft_tokens", "target"):
+        if key not in meta:
+            raise PipelineError(f"{path} has no key {key!r}")
+    if meta["format_version"] > FORMAT_VERSION:
+        raise PipelineError(f"{path} has format_version {meta['format_version']}; this specdraft reads "
+                            f"up to {FORMAT_VERSION}: upgrade specdraft")
+    if meta["method"] != "draft_model":
+        raise PipelineError(f"{path}: method {meta['method']!r} cannot be loaded by this specdraft (draft_model only)")
+    return meta
+
+
+def load_bundle(path: str | Path, target: Target, fingerprint: Optional[str] = None) -> Bundle:
+    """A bundle's draft, ready for our decoder's ModelDrafter, after every check passed:
+    checksums (no file changed, missing or added), the target's fingerprint, safetensors only."""
+    from pipeline.eval.stage import load_draft
+
+    folder = Path(path).expanduser()
+    if not folder.is_dir():
+        raise PipelineError(f"bundle folder {folder} does not exist")
+    verify_checksums(folder)
+    meta = read_bundle_json(folder)
+    want = meta["target"].get("fingerprint")
+    have = fingerprint or target.fingerprint()
+    if want != have:
+        raise PipelineError(f"bundle {folder} was made for target {meta['target'].get('name')!r} (fingerprint "
+                            f"{str(want)[:12]}…), not this one ({target.name!r}, {have[:12]}…)")
+    draft = load_draft(folder / DRAFT_DIR, target)
+    return Bundle(path=folder, meta=meta, draft=draft)

@@ -1,0 +1,155 @@
+"""The export stage: write the run's distilled draft as a bundle (see bundle.py).
+
+Inputs: `runs/<run>/distill/` (the draft) and `runs/<run>/eval/` (its measured tau and
+speedup, which the bundle records), both finished, both for the same target.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+from pipeline.config import Config
+from pipeline.errors import PipelineError
+from pipeline.export.bundle import BUNDLE_JSON, CHECKSUMS, DRAFT_DIR, FORMAT_VERSION, write_checksums
+from pipeline.runs import atomic_dir, package_versions, read_manifest, stage_dir
+
+log = logging.getLogger(__name__)
+STAGE = "export"
+METHOD = "draft_model"
+
+
+def _method_report(report: dict, eval_dir: Path) -> dict:
+    method = report.get("methods", {}).get(METHOD)
+    if method is None:
+        raise PipelineError(f"{eval_dir / 'report.json'} has no {METHOD} method: run the eval stage after distill "
+                            "in the same run (it finds the draft in runs/<run>/distill)")
+    return method
+
+
+def _data_summary(generate_dir: Path) -> Optional[dict]:
+    if not (generate_dir / "manifest.json").is_file():
+        return None
+    gm = read_manifest(generate_dir, "generate")
+    data = gm.get("config", {}).get("data", {})
+    gen = gm.get("config", {}).get("generate", {})
+    return dict(source=data.get("source"), path=data.get("path"), limit=data.get("limit"),
+                max_turns=data.get("max_turns"), conversations=gm.get("num_conversations"),
+                generated_tokens=gm.get("num_generated_tokens"),
+                scored_source_tokens=gm.get("num_scored_source_tokens", 0),
+                max_new_tokens=gen.get("max_new_tokens"), temperature=gen.get("temperature"),
+                topk_logits=gen.get("save_topk_logits"))
+
+
+def bundle_meta(run: str, distill_manifest: dict, report: dict, method: dict, data: Optional[dict]) -> dict[str, Any]:
+    draft_cfg = distill_manifest.get("config", {}).get("draft", {})
+    metrics = distill_manifest.get("metrics", {})
+    return {
+        "format_version": FORMAT_VERSION,
+        "method": METHOD,
+        "num_draft_tokens": method["num_draft_tokens"],
+        "target": dict(name=report["target"]["name"], fingerprint=report["target"]["fingerprint"]),
+        "draft": dict(folder=DRAFT_DIR, kind=draft_cfg.get("kind"), num_layers=draft_cfg.get("num_layers"),
+                      init_layers=draft_cfg.get("init_layers"), draft_vocab_size=metrics.get("draft_vocab_size")),
+        "measured": dict(
+            dataset=report["dataset"], num_prompts=report["num_prompts"], num_turns=report["num_turns"],
+            max_new_tokens=report["max_new_tokens"], temperature=report["temperature"], device=report["device"],
+            dtype=report["dtype"], threads=report.get("threads"), tau=method["tau"],
+            acceptance_by_position=method["acceptance_by_position"], tokens_per_s=method["tokens_per_s"],
+            plain_tokens_per_s=report["baselines"]["plain"]["tokens_per_s"],
+            speedup_vs_plain=method["speedup_vs_plain"], speedup_vs_hf=method.get("speedup_vs_hf"),
+            draft_cost_ratio=method.get("draft_cost_ratio"), lossless=method.get("lossless"),
+        ),
+        "training": dict(run=run, data=data, steps=metrics.get("steps"), loss=distill_manifest["config"]["distill"]["loss"],
+                         heldout_alpha_start=metrics.get("heldout_alpha_start"),
+                         heldout_alpha_end=metrics.get("heldout_alpha_end"), wall_time_s=metrics.get("wall_time_s")),
+        "formats": {"hf_draft": DRAFT_DIR},
+        "package_versions": package_versions(),
+        "created_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+
+
+def model_card(meta: dict) -> str:
+    m, t, d = meta["measured"], meta["target"], meta["draft"]
+    data = meta["training"].get("data") or {}
+    accept = ", ".join(f"{a:.2f}" for a in m["acceptance_by_position"])
+    hf = f" ({m['speedup_vs_hf']:.2f}x HF `generate`)" if m.get("speedup_vs_hf") else ""
+    return "\n".join([
+        f"# Draft for {t['name']}",
+        "",
+        f"A speculative-decoding draft ({d['num_layers']}-layer {d['kind']} draft model) distilled by specdraft "
+        f"to match **{t['name']}** (fingerprint `{t['fingerprint'][:16]}`). Use it with that target only: "
+        "`pipeline.export.load_bundle` refuses any other.",
+        "",
+        "## Measured (specdraft eval)",
+        "",
+        "| num_draft_tokens | tau | acceptance by position | tokens/s | vs plain | draft/target cost | lossless |",
+        "|---:|---:|---|---:|---:|---:|---|",
+        f"| {meta['num_draft_tokens']} | {m['tau']:.2f} | {accept} | {m['tokens_per_s']:.2f} | "
+        f"{m['speedup_vs_plain']:.2f}x{hf} | {m['draft_cost_ratio'] or 0:.3f} | {m['lossless']} |",
+        "",
+        f"On {m['dataset']} ({m['num_prompts']} conversations, {m['num_turns']} turns, {m['max_new_tokens']} new "
+        f"tokens, temperature {m['temperature']}), {m['dtype']} on {m['device']}"
+        f"{', ' + str(m['threads']) + ' threads' if m.get('threads') else ''}; plain decoding "
+        f"{m['plain_tokens_per_s']:.2f} tokens/s. Speed depends on the machine: measure again on yours "
+        "(`python -m pipeline stage=eval eval.bundle=<this folder>`).",
+        "",
+        "## Training",
+        "",
+        f"{meta['training']['steps']} steps, loss {meta['training']['loss']}; held-out expected acceptance "
+        f"{_num(meta['training']['heldout_alpha_start'])} -> {_num(meta['training']['heldout_alpha_end'])}. "
+        f"Data: {data.get('conversations', '?')} conversations of {data.get('source', '?')}, "
+        f"{data.get('generated_tokens', '?')} tokens regenerated by the target"
+        f"{', ' + str(data['scored_source_tokens']) + ' source tokens scored by it' if data.get('scored_source_tokens') else ''}.",
+        "",
+        "## Use",
+        "",
+        f"- `{DRAFT_DIR}/` is a plain transformers model folder (safetensors): "
+        f"`target.generate(..., assistant_model=AutoModelForCausalLM.from_pretrained('{DRAFT_DIR}'))`, or the draft "
+        "model of vLLM / SGLang speculative decoding with this target.",
+        f"- specdraft: `load_bundle(path, target)` or `stage=eval eval.bundle=<path>`; it also reads "
+        f"`{DRAFT_DIR}/draft_vocab.safetensors` (the tokens the draft proposes) when present.",
+        f"- `{CHECKSUMS}`: `sha256sum -c {CHECKSUMS}` checks every file.",
+        "",
+    ])
+
+
+def _num(x: Optional[float]) -> str:
+    return "n/a" if x is None else f"{x:.3f}"
+
+
+def run(cfg: Config) -> Path:
+    t0 = time.perf_counter()
+    distill_dir = stage_dir(cfg.runs_dir, cfg.run, "distill")
+    eval_dir = stage_dir(cfg.runs_dir, cfg.run, "eval")
+    distill_manifest = read_manifest(distill_dir, "distill", cfg.run)
+    read_manifest(eval_dir, "eval", cfg.run)
+    report = json.loads((eval_dir / "report.json").read_text())
+    method = _method_report(report, eval_dir)
+    if distill_manifest["target_fingerprint"] != report["target"]["fingerprint"]:
+        raise PipelineError(f"{eval_dir} measured another target than the one {distill_dir} was distilled for; "
+                            f"run `python -m pipeline stage=eval run={cfg.run}` again")
+    meta = bundle_meta(cfg.run, distill_manifest, report, method,
+                       _data_summary(stage_dir(cfg.runs_dir, cfg.run, "generate")))
+
+    out = Path(cfg.export.dir).expanduser() if cfg.export.dir else stage_dir(cfg.runs_dir, cfg.run, STAGE)
+    with atomic_dir(out) as tmp:
+        shutil.copytree(distill_dir / "checkpoint", tmp / DRAFT_DIR)
+        (tmp / "eval").mkdir()
+        for f in sorted(eval_dir.iterdir()):
+            if f.is_file() and (f.suffix == ".png" or f.name in ("report.json", "report.md")):
+                shutil.copy2(f, tmp / "eval" / f.name)
+        (tmp / BUNDLE_JSON).write_text(json.dumps(meta, indent=2) + "\n")
+        (tmp / "README.md").write_text(model_card(meta))
+        write_checksums(tmp)
+    m = meta["measured"]
+    log.info("export: bundle written in %.1fs", time.perf_counter() - t0)
+    print(f"export: bundle -> {out}")
+    print(f"  {'method':<12} {'k':>3} {'tau':>6} {'tok/s':>8} {'vs plain':>9} {'draft cost':>11}")
+    print(f"  {METHOD:<12} {meta['num_draft_tokens']:>3} {m['tau']:>6.2f} {m['tokens_per_s']:>8.2f} "
+          f"{m['speedup_vs_plain']:>8.2f}x {m['draft_cost_ratio'] or 0:>11.3f}")
+    return out
