@@ -13,18 +13,22 @@ from omegaconf import DictConfig, OmegaConf
 
 from pipeline.config import Config, register_configs, to_config
 from pipeline import data, distill, eval as evaluation, export
+from pipeline.heads import stage as heads
 from pipeline.errors import PipelineError
 
 log = logging.getLogger("pipeline")
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 
-# Every stage, in pipeline order; `stage=all` runs them all.
+# Every stage, in pipeline order.
 STAGES: dict[str, Callable[[Config], Path]] = {
     "generate": data.run,
     "distill": distill.run,
+    "heads": heads.run,
     "eval": evaluation.run,
     "export": export.run,
 }
+# What `stage=all` runs: a separate draft, end to end.
+ALL = ("generate", "distill", "eval", "export")
 
 register_configs()
 
@@ -41,7 +45,7 @@ def run_stages(cfg: Config) -> None:
         from hydra.core.hydra_config import HydraConfig
 
         overrides = [o for o in HydraConfig.get().overrides.task if not o.startswith("stage=")]
-        configs = [(name, to_config(compose("config", overrides=[f"stage={name}", *overrides]))) for name in STAGES]
+        configs = [(name, to_config(compose("config", overrides=[f"stage={name}", *overrides]))) for name in ALL]
     elif cfg.stage in STAGES:
         configs = [(cfg.stage, cfg)]
     else:

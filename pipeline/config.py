@@ -238,24 +238,11 @@ class DraftConfig:
 
 
 @dataclass
-class DistillConfig:
-    """The distill stage: train the draft to match the target's next-token distributions."""
+class TrainConfig:
+    """What every training stage (distill, heads) sets the same way."""
 
-    loss: str = "forward_kl"
-    """forward_kl, reverse_kl, jsd, tv (1 - expected acceptance) or ce (the target's tokens only)."""
-    temperature: float = 1.0
-    """Softens target and draft alike in the KD losses."""
-    jsd_beta: float = 0.5
-    teacher: str = "auto"
-    """offline: the top-k logits stored by generate (generate.save_topk_logits); online: the target
-    runs in the loop (its full distribution); auto: offline when the dataset has them."""
-    onpolicy_fraction: float = 0.0
-    """Share of steps trained on continuations sampled from the draft itself and scored by the
-    target (DistillSpec); needs the target in memory."""
-    onpolicy_tokens: int = 32
-    """Length of each sampled continuation."""
     max_steps: int = 600
-    """Optimizer steps (the default recipe: about 30 minutes on 2 CPU cores, see README)."""
+    """Optimizer steps."""
     batch_size: int = 8
     """Sequences per micro-batch per process."""
     grad_accum: int = 1
@@ -282,12 +269,40 @@ class DistillConfig:
     deepspeed: Optional[str] = None
     """A DeepSpeed config in conf/deepspeed/ (zero2, zero3) or a JSON path; set by `make distill-multi DS=`."""
 
+    def _check_training(self, node: str) -> None:
+        _check_choice(f"{node}.precision", self.precision, PRECISIONS)
+        for name in ("max_steps", "batch_size", "grad_accum", "max_length", "lr", "eval_every",
+                     "max_eval_sequences", "save_every"):
+            _check_positive(f"{node}.{name}", getattr(self, name))
+        if not 0.0 <= self.eval_fraction < 1.0:
+            raise ValueError(f"{node}.eval_fraction must be in [0, 1), got {self.eval_fraction}")
+
+
+@dataclass
+class DistillConfig(TrainConfig):
+    """The distill stage: train the draft to match the target's next-token distributions.
+
+    The default recipe (600 steps) takes about 30 minutes on 2 CPU cores, see README."""
+
+    loss: str = "forward_kl"
+    """forward_kl, reverse_kl, jsd, tv (1 - expected acceptance) or ce (the target's tokens only)."""
+    temperature: float = 1.0
+    """Softens target and draft alike in the KD losses."""
+    jsd_beta: float = 0.5
+    teacher: str = "auto"
+    """offline: the top-k logits stored by generate (generate.save_topk_logits); online: the target
+    runs in the loop (its full distribution); auto: offline when the dataset has them."""
+    onpolicy_fraction: float = 0.0
+    """Share of steps trained on continuations sampled from the draft itself and scored by the
+    target (DistillSpec); needs the target in memory."""
+    onpolicy_tokens: int = 32
+    """Length of each sampled continuation."""
+
     def __post_init__(self) -> None:
+        self._check_training("distill")
         _check_choice("distill.loss", self.loss, LOSS_KINDS)
         _check_choice("distill.teacher", self.teacher, TEACHERS)
-        _check_choice("distill.precision", self.precision, PRECISIONS)
-        for name in ("temperature", "onpolicy_tokens", "max_steps", "batch_size", "grad_accum", "max_length", "lr",
-                     "eval_every", "max_eval_sequences", "save_every"):
+        for name in ("temperature", "onpolicy_tokens"):
             _check_positive(f"distill.{name}", getattr(self, name))
         if not 0.0 <= self.onpolicy_fraction <= 1.0:
             raise ValueError(f"distill.onpolicy_fraction must be in [0, 1], got {self.onpolicy_fraction}")
@@ -296,8 +311,49 @@ class DistillConfig:
                              "its own samples; use a KD loss with distill.onpolicy_fraction")
         if not 0.0 < self.jsd_beta < 1.0:
             raise ValueError(f"distill.jsd_beta must be in (0, 1), got {self.jsd_beta}")
-        if not 0.0 <= self.eval_fraction < 1.0:
-            raise ValueError(f"distill.eval_fraction must be in [0, 1), got {self.eval_fraction}")
+
+
+HEAD_KINDS = ("medusa", "eagle", "early_exit")
+
+
+@dataclass
+class HeadsConfig(TrainConfig):
+    """The heads stage: drafts that read the target's own hidden states (self-speculation).
+    Choose one with heads=medusa|eagle|early_exit; each writes runs/<run>/heads/<kind>/."""
+
+    kind: str = "eagle"
+    """medusa (K heads on the last hidden state), eagle (one decoder layer over fused target
+    features, autoregressive) or early_exit (the target's first layers + a trained exit adapter)."""
+    draft_vocab_size: int = 8192
+    """Tokens the heads may propose (the most frequent answer tokens of the training data), so
+    their LM head costs a fraction of the target's. 0: the full vocabulary."""
+    loss: str = "forward_kl"
+    """forward_kl, reverse_kl, jsd or tv against the target's distribution (within the draft vocabulary)."""
+    medusa_num_heads: int = 4
+    """Medusa: head i predicts the token i+2 ahead of the last verified one."""
+    medusa_num_layers: int = 1
+    """Medusa: residual blocks per head."""
+    medusa_decay: float = 0.8
+    """Medusa: head i's loss is weighted medusa_decay**i."""
+    feature_layers: list[int] = field(default_factory=list)
+    """EAGLE: the target layers whose outputs are fused (EAGLE-3: low, middle, high); empty
+    picks layers 2, L/2 and L-3 of an L-layer target. One layer [-1] is EAGLE-1 style."""
+    ttt_steps: int = 3
+    """EAGLE: training-time test, the head also learns from 2..ttt_steps steps of its own
+    predicted features, as it drafts (1: teacher-forced features only)."""
+    exit_layer: int = 8
+    """early_exit: the draft is the target's first exit_layer layers plus the adapter."""
+    adapter_rank: int = 256
+    """early_exit: width of the exit adapter's bottleneck."""
+
+    def __post_init__(self) -> None:
+        self._check_training("heads")
+        _check_choice("heads.kind", self.kind, HEAD_KINDS)
+        _check_choice("heads.loss", self.loss, ("forward_kl", "reverse_kl", "jsd", "tv"))
+        for name in ("medusa_num_heads", "medusa_num_layers", "ttt_steps", "exit_layer", "adapter_rank"):
+            _check_positive(f"heads.{name}", getattr(self, name))
+        if self.draft_vocab_size < 0:
+            raise ValueError(f"heads.draft_vocab_size must be >= 0, got {self.draft_vocab_size}")
 
 
 @dataclass
@@ -329,6 +385,7 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
     draft: DraftConfig = field(default_factory=DraftConfig)
     distill: DistillConfig = field(default_factory=DistillConfig)
+    heads: HeadsConfig = field(default_factory=HeadsConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
     logger: LoggerConfig = MISSING
 
@@ -340,6 +397,7 @@ def register_configs() -> None:
     cs.store(group="data", name="base_data", node=DataConfig)
     cs.store(group="logger", name="base_logger", node=LoggerConfig)
     cs.store(group="draft", name="base_draft", node=DraftConfig)
+    cs.store(group="heads", name="base_heads", node=HeadsConfig)
 
 
 def to_config(cfg: DictConfig) -> Config:

@@ -62,6 +62,16 @@ def prefill(kv: SlotCache, prompts: torch.Tensor, valid: torch.Tensor) -> torch.
     return kv.forward(prompts, valid, logits_to_keep=1)[:, -1]
 
 
+def target_pass(kv: SlotCache, tokens: torch.Tensor, valid: Optional[torch.Tensor] = None, logits_to_keep: int = 0,
+                feature_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """The target's logits on `tokens`, and the hidden states `feature_layers` (indices of
+    transformers' output_hidden_states) concatenated [B, S, n * H], or None when none are asked."""
+    if not feature_layers:
+        return kv.forward(tokens, valid, logits_to_keep), None
+    out = kv.run(tokens, valid, logits_to_keep, output_hidden_states=list(feature_layers))
+    return out.logits, torch.cat([out.hidden_states[i] for i in feature_layers], dim=-1)
+
+
 def decode_one_token(kv: SlotCache, last: torch.Tensor) -> torch.Tensor:
     """Cache `last` [B] and return the logits for the token after it. [B, V]"""
     return kv.forward(last[:, None])[:, -1]
@@ -131,7 +141,8 @@ def speculative_step(
     # Verify only as many positions as some row proposed: no match anywhere is a plain step.
     k = int(proposal.num_proposed.max())
     draft = proposal.tokens[:, :k]  # [B, K]
-    logits = kv.forward(torch.cat([last[:, None], draft], dim=1))  # [B, K+1, V]
+    chunk = torch.cat([last[:, None], draft], dim=1)
+    logits, features = target_pass(kv, chunk, feature_layers=getattr(drafter, "feature_layers", ()))  # [B, K+1, V]
     if temperature == 0:
         num_accepted, new = accept_greedy(draft, proposal.num_proposed, logits)
     else:
@@ -139,7 +150,10 @@ def speculative_step(
         q = proposal.probs[:, :k]
         num_accepted, new = accept_sampling(draft, proposal.num_proposed, q, p, generator)
     # The target keeps `last` and the accepted drafts; the next chunk starts with `new`.
-    kv.keep_last(torch.arange(k + 1, device=draft.device)[None, :] <= num_accepted[:, None])
+    keep = torch.arange(k + 1, device=draft.device)[None, :] <= num_accepted[:, None]
+    kv.keep_last(keep)
+    if features is not None:  # heads read the target's hidden states of the kept positions
+        drafter.observe(features, keep)
     drafter.accepted(num_accepted)
     return proposal.num_proposed, num_accepted, draft, new
 
@@ -160,7 +174,11 @@ def speculative_decode(
     k = num_draft_tokens
     proposed_at, accepted_at = [0] * k, [0] * k
     # The prefill is the first target pass and yields the first token.
-    last = next_token(prefill(kv, tokens, valid), temperature, top_p, generator)
+    layers = getattr(drafter, "feature_layers", ())
+    logits, features = target_pass(kv, tokens, valid, logits_to_keep=1, feature_layers=layers)
+    if features is not None:
+        drafter.observe(features, valid)
+    last = next_token(logits[:, -1], temperature, top_p, generator)
     finished = [rows.emit(r, [t]) for r, t in enumerate(last.tolist())]
     while True:
         keep = rows.drop(finished)

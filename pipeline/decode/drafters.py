@@ -27,6 +27,9 @@ class Proposal:
 
 class Drafter(Protocol):
     name: str
+    feature_layers: tuple[int, ...]
+    """Target hidden states the drafter reads (output_hidden_states indices; empty: none). The
+    decoder then hands it those of every position the target keeps, through `observe`."""
 
     def start(self, prompts: torch.Tensor, prompt_valid: torch.Tensor) -> None:
         """Prompts [B, S] left-padded, prompt_valid [B, S]."""
@@ -37,6 +40,9 @@ class Drafter(Protocol):
     def accepted(self, num_accepted: torch.Tensor) -> None:
         ...
 
+    def observe(self, features: torch.Tensor, kept: torch.Tensor) -> None:
+        """features [B, S, F] of the target's last pass; kept [B, S] the positions it cached."""
+
     def select_rows(self, rows: torch.Tensor) -> None:
         ...
 
@@ -46,6 +52,7 @@ class NgramDrafter:
     (n from max_ngram down to min_ngram) and propose the tokens that followed it."""
 
     name = "ngram"
+    feature_layers = ()
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 2, temperature: float = 0.0, vocab_size: int = 0):
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
@@ -86,6 +93,32 @@ def lookup(seq: list[int], k: int, max_ngram: int, min_ngram: int) -> list[int]:
     return []
 
 
+def draw(logits: torch.Tensor, temperature: float, top_p: float, generator: Optional[torch.Generator],
+         to_target: Optional[torch.Tensor], vocab_size: int) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """One draft token per row from logits [B, V_draft]: the argmax when greedy, else a sample,
+    with the distribution it came from ([B, vocab_size], None when greedy). A draft vocabulary
+    (`to_target`: draft index -> target id) maps the token back and puts zero probability on
+    every target token outside it."""
+    q = None
+    if temperature > 0:
+        q = process_logits(logits, temperature, top_p)
+        token = sample(q, generator)
+        if to_target is not None:
+            q = q.new_zeros((q.shape[0], vocab_size)).index_copy_(1, to_target, q)
+    else:
+        token = logits.argmax(dim=-1)
+    if to_target is not None:
+        token = to_target[token]
+    return token, q
+
+
+def chain_proposal(tokens: list[torch.Tensor], probs: list[Optional[torch.Tensor]]) -> Proposal:
+    """A proposal of len(tokens) tokens for every row, from per-position [B] tokens and [B, V] probs."""
+    stacked = torch.stack(tokens, dim=1)
+    num = torch.full((stacked.shape[0],), stacked.shape[1], dtype=torch.long, device=stacked.device)
+    return Proposal(stacked, num, torch.stack(probs, dim=1) if probs[0] is not None else None)
+
+
 class ModelDrafter:
     """A separate small causal LM with the target's tokenizer, with its own KV cache kept in
     step with the accepted tokens.
@@ -95,11 +128,11 @@ class ModelDrafter:
     when sampling its distribution is spread onto the target's vocabulary (zero elsewhere).
     """
 
-    name = "draft_model"
+    feature_layers = ()
 
     def __init__(self, model, temperature: float = 0.0, top_p: float = 1.0,
-                 generator: Optional[torch.Generator] = None):
-        self.model = model
+                 generator: Optional[torch.Generator] = None, name: str = "draft_model"):
+        self.model, self.name = model, name
         self.temperature, self.top_p, self.generator = temperature, top_p, generator
         self.to_target = getattr(model, "draft_to_target", None)
         self.vocab_size = model.config.vocab_size
@@ -126,25 +159,13 @@ class ModelDrafter:
 
         tokens, probs = [], []
         for i in range(k):
-            if self.temperature > 0:
-                q = process_logits(logits, self.temperature, self.top_p)
-                token = sample(q, self.generator)
-                if self.to_target is not None:
-                    q = q.new_zeros((q.shape[0], self.vocab_size)).index_copy_(1, self.to_target, q)
-                probs.append(q)
-            else:
-                token = logits.argmax(dim=-1)
-            if self.to_target is not None:
-                token = self.to_target[token]
+            token, q = draw(logits, self.temperature, self.top_p, self.generator, self.to_target, self.vocab_size)
             tokens.append(token)
+            probs.append(q)
             if i < k - 1:
                 logits = self.kv.forward(token[:, None])[:, -1]
         self.last_fed = k - 1  # d_1..d_{k-1} are in the cache, d_k is not
-        return Proposal(
-            torch.stack(tokens, dim=1),
-            torch.full((len(seqs),), k, dtype=torch.long, device=device),
-            torch.stack(probs, dim=1) if probs else None,
-        )
+        return chain_proposal(tokens, probs)
 
     def accepted(self, num_accepted: torch.Tensor) -> None:
         # Keep the fed proposals that were accepted; the rest of d_1..d_{k-1} is dropped.
@@ -155,3 +176,105 @@ class ModelDrafter:
 
     def select_rows(self, rows: torch.Tensor) -> None:
         self.kv.select_rows(rows)
+
+
+def last_kept(features: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
+    """Each row's features at its last kept position: [B, S, F], [B, S] -> [B, F]."""
+    s = kept.shape[1]
+    index = (kept.long() * torch.arange(1, s + 1, device=kept.device)).argmax(dim=1)
+    return features[torch.arange(features.shape[0], device=features.device), index]
+
+
+class MedusaDrafter:
+    """Medusa heads on the target's last hidden state at the last verified position: head i's
+    choice is draft token i+1 (a chain; trees come from the heads' top candidates)."""
+
+    name = "medusa"
+
+    def __init__(self, heads, vocab_size: int, temperature: float = 0.0, top_p: float = 1.0,
+                 generator: Optional[torch.Generator] = None):
+        self.heads, self.vocab_size = heads, vocab_size
+        self.temperature, self.top_p, self.generator = temperature, top_p, generator
+        self.feature_layers = heads.feature_layers
+
+    def start(self, prompts: torch.Tensor, prompt_valid: torch.Tensor) -> None:
+        self.hidden = None
+
+    def observe(self, features: torch.Tensor, kept: torch.Tensor) -> None:
+        self.hidden = last_kept(features, kept)  # [B, H]
+
+    def propose(self, seqs: list[list[int]], num_draft_tokens: int) -> Proposal:
+        n = min(num_draft_tokens, self.heads.num_heads)
+        logits = self.heads(self.hidden)[:, :n]  # [B, n, V_draft]
+        tokens, probs = zip(*(draw(logits[:, i], self.temperature, self.top_p, self.generator,
+                                   self.heads.draft_to_target, self.vocab_size) for i in range(n)))
+        return chain_proposal(list(tokens), list(probs))
+
+    def accepted(self, num_accepted: torch.Tensor) -> None:
+        pass
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        self.hidden = self.hidden[rows]
+
+
+class EagleDrafter:
+    """An EAGLE head drafting autoregressively from the target's features.
+
+    Head position t reads (target feature of t, token t+1). The target's features arrive for
+    every position it keeps; before drafting, the head consumes those still pending (their
+    next tokens are known by then), then drafts k tokens feeding back its own feature. Its
+    draft entries are dropped from its cache before the next round.
+    """
+
+    name = "eagle"
+
+    def __init__(self, head, vocab_size: int, temperature: float = 0.0, top_p: float = 1.0,
+                 generator: Optional[torch.Generator] = None):
+        self.head, self.vocab_size = head, vocab_size
+        self.temperature, self.top_p, self.generator = temperature, top_p, generator
+        self.feature_layers = head.feature_layers
+
+    def start(self, prompts: torch.Tensor, prompt_valid: torch.Tensor) -> None:
+        self.kv = SlotCache(self.head, prompts.shape[0], prompts.device)
+        self.pending: list[list[torch.Tensor]] = [[] for _ in range(prompts.shape[0])]
+        self.drafted = 0
+
+    def observe(self, features: torch.Tensor, kept: torch.Tensor) -> None:
+        for row in range(features.shape[0]):
+            self.pending[row].append(features[row][kept[row]])
+
+    def propose(self, seqs: list[list[int]], num_draft_tokens: int) -> Proposal:
+        k, device = num_draft_tokens, self.kv.valid.device
+        if self.drafted:
+            self.kv.keep_last(torch.zeros((len(seqs), self.drafted), dtype=torch.bool, device=device))
+        # Pending features are of positions n-1-m .. n-2 of a row's n tokens; their next tokens
+        # are the row's last m. Right-aligned, fillers masked.
+        new = [torch.cat(chunks) for chunks in self.pending]
+        width = max(len(f) for f in new)
+        feats = new[0].new_zeros((len(seqs), width, new[0].shape[-1]))
+        ids = torch.zeros((len(seqs), width), dtype=torch.long)
+        valid = torch.zeros((len(seqs), width), dtype=torch.bool)
+        for row, (f, seq) in enumerate(zip(new, seqs)):
+            m = len(f)
+            feats[row, width - m:] = f
+            ids[row, width - m:] = torch.tensor(seq[len(seq) - m:], dtype=torch.long)
+            valid[row, width - m:] = True
+        self.pending = [[] for _ in seqs]
+        out = self.kv.run(ids.to(device), valid.to(device), logits_to_keep=1, features=self.head.fuse(feats))
+        tokens, probs = [], []
+        for i in range(k):
+            token, q = draw(out.logits[:, -1], self.temperature, self.top_p, self.generator,
+                            self.head.draft_to_target, self.vocab_size)
+            tokens.append(token)
+            probs.append(q)
+            if i < k - 1:
+                out = self.kv.run(token[:, None], features=out.hidden[:, -1:])
+        self.drafted = k - 1
+        return chain_proposal(tokens, probs)
+
+    def accepted(self, num_accepted: torch.Tensor) -> None:
+        pass  # every draft entry is dropped before the next round
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        self.kv.select_rows(rows)
+        self.pending = [self.pending[i] for i in rows.tolist()]

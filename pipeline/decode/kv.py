@@ -87,13 +87,12 @@ class SlotCache:
         """Tokens each row has in the cache. [B]"""
         return self.valid.sum(dim=1)
 
-    def forward(
-        self, tokens: torch.Tensor, new_valid: Optional[torch.Tensor] = None, logits_to_keep: int = 0
-    ) -> torch.Tensor:
-        """Run the model on `tokens` [B, S] appended after each row's cached tokens.
+    def run(self, tokens: torch.Tensor, new_valid: Optional[torch.Tensor] = None, logits_to_keep: int = 0,
+            **inputs):
+        """Run the model on `tokens` [B, S] appended after each row's cached tokens; its output.
 
-        new_valid [B, S] marks real tokens (default: all). Returns logits [B, S', V] where
-        S' = logits_to_keep or S.
+        new_valid [B, S] marks real tokens (default: all); `inputs` go to the model as they are
+        (a head's features, output_hidden_states).
         """
         if new_valid is None:
             new_valid = torch.ones_like(tokens, dtype=torch.bool)
@@ -101,11 +100,16 @@ class SlotCache:
         self.valid = torch.cat([self.valid, new_valid], dim=1)
         # All slots valid: leave the mask to the model's causal fast path.
         mask = None if bool(self.valid.all()) else self.valid.long()
-        out = self.model(
+        return self.model(
             input_ids=tokens, attention_mask=mask, position_ids=positions.clamp(min=0),
-            cache=self.cache, use_cache=True, logits_to_keep=logits_to_keep,
+            cache=self.cache, use_cache=True, logits_to_keep=logits_to_keep, **inputs,
         )
-        return out.logits
+
+    def forward(
+        self, tokens: torch.Tensor, new_valid: Optional[torch.Tensor] = None, logits_to_keep: int = 0
+    ) -> torch.Tensor:
+        """Logits [B, S', V] of `run` where S' = logits_to_keep or S."""
+        return self.run(tokens, new_valid, logits_to_keep).logits
 
     def keep_last(self, keep: torch.Tensor) -> None:
         """Of the last forward's S slots, keep those where keep [B, S] is True; drop the rest."""

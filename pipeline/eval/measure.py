@@ -19,6 +19,7 @@ from pipeline.decode import DecodeResult, ModelDrafter, NgramDrafter, plain_deco
 
 Decode = Callable[[list[list[int]]], DecodeResult]
 HF_METHODS = ("hf_generate", "hf_prompt_lookup", "hf_assisted")
+HEAD_METHODS = ("medusa", "eagle", "early_exit")
 
 
 @dataclass
@@ -105,6 +106,12 @@ def make_decode(drafter: str, settings: Settings, num_draft_tokens: Optional[int
     if drafter == "draft_model":
         return lambda prompts: speculative_decode(
             s.model, ModelDrafter(draft_model, s.temperature, s.top_p, generator), prompts,
+            num_draft_tokens=num_draft_tokens, generator=generator, **common)
+    if drafter in HEAD_METHODS:
+        from pipeline.heads import heads_drafter
+
+        return lambda prompts: speculative_decode(
+            s.model, heads_drafter(draft_model, s.model, s.temperature, s.top_p, generator), prompts,
             num_draft_tokens=num_draft_tokens, generator=generator, **common)
     if drafter in HF_METHODS:
         return hf_decode(drafter, settings, num_draft_tokens, draft_model)
@@ -268,6 +275,43 @@ def forward_seconds(model, new_tokens: int, context: int = 128, reps: int = 7) -
         times.append(time.perf_counter() - t0)
         kv.keep_last(torch.zeros((1, new_tokens), dtype=torch.bool, device=device))
     return sorted(times)[reps // 2]
+
+
+def heads_seconds(heads, target, context: int = 128, reps: int = 7) -> float:
+    """Median time a head module takes per draft token: one EAGLE step after `context` cached
+    positions, one early-exit forward, or all Medusa heads on one hidden state / their number."""
+    if heads.kind == "early_exit":
+        from pipeline.heads.models import early_exit_model
+
+        return forward_seconds(early_exit_model(target, heads), 1, context, reps)
+    device = next(target.parameters()).device
+    dtype = next(target.parameters()).dtype
+    size = target.config.hidden_size
+    times = []
+    with torch.inference_mode():
+        if heads.kind == "medusa":
+            hidden = torch.randn((1, size), dtype=dtype, device=device)
+            step = lambda: heads(hidden)
+        else:
+            from pipeline.decode.kv import SlotCache
+
+            kv = SlotCache(heads, 1, device)
+            kv.run(torch.zeros((1, context), dtype=torch.long, device=device),
+                   features=torch.randn((1, context, size), dtype=dtype, device=device), logits_to_keep=1)
+            one_token = torch.zeros((1, 1), dtype=torch.long, device=device)
+            feature = torch.randn((1, 1, size), dtype=dtype, device=device)
+
+            def step():
+                kv.run(one_token, features=feature)
+                kv.keep_last(torch.zeros((1, 1), dtype=torch.bool, device=device))
+        for _ in range(reps):
+            _sync(target)
+            t0 = time.perf_counter()
+            step()
+            _sync(target)
+            times.append(time.perf_counter() - t0)
+    per_round = sorted(times)[reps // 2]
+    return per_round / heads.num_heads if heads.kind == "medusa" else per_round
 
 
 def expected_tokens_per_pass(acceptance_by_position: list[float], proposal_rate: float = 1.0) -> float:

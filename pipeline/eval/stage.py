@@ -22,7 +22,8 @@ from pipeline.decode.layout import decode_layout
 from pipeline.distill.draft import check_vocabulary, read_draft_vocab, restrict_vocabulary
 from pipeline.errors import PipelineError
 from pipeline.eval.measure import (
-    Measurement, Method, Settings, forward_seconds, greedy_divergences, make_decode, measure, predicted_speedup,
+    Measurement, Method, Settings, forward_seconds, greedy_divergences, heads_seconds, make_decode, measure,
+    predicted_speedup,
 )
 from pipeline.eval.report import write_report
 from pipeline.models import Target, load_target
@@ -72,8 +73,27 @@ def find_drafts(cfg: Config, target: Target) -> tuple[dict[str, torch.nn.Module]
     return drafts, bundle_k
 
 
+HEAD_KINDS = ("medusa", "eagle", "early_exit")
+
+
+def find_heads(cfg: Config, target: Target) -> dict[str, torch.nn.Module]:
+    """The run's trained heads (runs/<run>/heads/<kind>/, stage finished), by method name."""
+    from pipeline.heads.models import load_heads
+
+    found = {}
+    for kind in HEAD_KINDS:
+        folder = stage_dir(cfg.runs_dir, cfg.run, "heads") / kind
+        if (folder / MANIFEST).is_file():
+            manifest = read_manifest(folder, "heads", cfg.run)
+            if manifest.get("target_fingerprint") != target.fingerprint():
+                raise PipelineError(f"{folder} was trained on another target (fingerprint "
+                                    f"{str(manifest.get('target_fingerprint'))[:12]}…); retrain it for this one")
+            found[kind] = load_heads(folder, target.model)
+    return found
+
+
 def prepare_for_decoding(model: torch.nn.Module, drafts: dict[str, torch.nn.Module], *, layout: bool,
-                         compare_hf: bool):
+                         compare_hf: bool, heads: Optional[dict[str, torch.nn.Module]] = None):
     """Prepare the target and drafts for our decoder, in place: drafts with a draft vocabulary
     keep only its LM-head rows (distill/draft.py), and on CPU with `layout` every linear layer
     runs few-row inputs through the small-batch product (decode/layout.py).
@@ -90,7 +110,7 @@ def prepare_for_decoding(model: torch.nn.Module, drafts: dict[str, torch.nn.Modu
         restrict_vocabulary(drafts[name], drafts[name].draft_to_target)
         log.info("%s proposes from its draft vocabulary of %d tokens", name, len(drafts[name].draft_to_target))
     if layout:
-        moved = sum(decode_layout(m) for m in (model, *drafts.values()))
+        moved = sum(decode_layout(m) for m in (model, *drafts.values(), *(heads or {}).values()))
         log.info("decode layout: %d linear layers use the small-batch product for our decoder; "
                  "HF methods use a copy", moved)
     return hf_model, hf_drafts
@@ -139,13 +159,16 @@ def run(cfg: Config) -> Path:
     tok = target.tokenizer
     data = load_chat_data(cfg.data, tok)
     convs = data.conversations[: ev.max_prompts]
-    hf_model, hf_drafts = prepare_for_decoding(target.model, drafts, layout=ev.decode_layout, compare_hf=ev.compare_hf)
+    heads = find_heads(cfg, target)
+    hf_model, hf_drafts = prepare_for_decoding(target.model, drafts, layout=ev.decode_layout, compare_hf=ev.compare_hf,
+                                               heads=heads)
     settings = Settings(model=target.model, tokenizer=tok, eos_ids=set(eos_token_ids(target.model, tok)),
                         max_new_tokens=ev.max_new_tokens, temperature=ev.temperature, top_p=ev.top_p,
                         seed=cfg.seed, ngram_max=ev.ngram_max, ngram_min=ev.ngram_min, hf_model=hf_model)
     greedy = ev.temperature == 0
     num_turns = sum(min(len(c.user_turns), cfg.data.max_turns or 99) for c in convs)
-    spec = ([("ngram", "ngram", None)] if ev.ngram else []) + [(n, "draft_model", d) for n, d in drafts.items()]
+    spec = (([("ngram", "ngram", None)] if ev.ngram else []) + [(n, "draft_model", d) for n, d in drafts.items()]
+            + [(kind, kind, module) for kind, module in heads.items()])
     log.info("eval: %d conversations (%d turns) from %s; methods plain, hf_generate, %s",
              len(convs), num_turns, cfg.data.source, ", ".join(n for n, _, _ in spec) or "no drafters")
 
@@ -165,8 +188,8 @@ def run(cfg: Config) -> Path:
     # Warm-up: the first calls pay for allocations and thread pools, not for a method.
     short = dataclasses.replace(settings, max_new_tokens=4)
     make_decode("plain", short)([first_prompt_ids(tok, convs[0])])
-    for draft in drafts.values():
-        make_decode("draft_model", short, 2, draft)([first_prompt_ids(tok, convs[0])])
+    for _, drafter, draft in spec:
+        make_decode(drafter, short, 2, draft)([first_prompt_ids(tok, convs[0])])
 
     # Costs that explain speedups: a target forward of k+1 tokens and a draft forward, per target token.
     ks = sorted(set(ev.sweep) | set(bundle_k.values())
@@ -174,6 +197,7 @@ def run(cfg: Config) -> Path:
     one = forward_seconds(target.model, 1)
     verify_cost = {k: forward_seconds(target.model, k + 1) / one for k in ks}
     draft_cost = {name: forward_seconds(d, 1) / one for name, d in drafts.items()}
+    draft_cost.update({name: heads_seconds(module, target.model) / one for name, module in heads.items()})
     cost_of = lambda name: draft_cost.get(name, 0.0)
 
     sweeps, chosen = {}, {}
@@ -204,7 +228,7 @@ def run(cfg: Config) -> Path:
     hf_names = {}
     for name, drafter, draft in spec:
         final[name] = method(drafter, chosen[name], draft)
-        if ev.compare_hf:
+        if ev.compare_hf and drafter in HF_EQUIVALENT:
             hf_names[name] = HF_EQUIVALENT[drafter] + name[len(drafter):]
             final[hf_names[name]] = method(HF_EQUIVALENT[drafter], chosen[name], hf_drafts.get(name))
     results = run_methods(final, convs, cfg.data.max_turns, "eval")
@@ -258,6 +282,8 @@ def run(cfg: Config) -> Path:
     distill = stage_dir(cfg.runs_dir, cfg.run, "distill")
     if "draft_model" in drafts and (distill / MANIFEST).is_file():
         inputs["distill"] = {"manifest": str(distill / MANIFEST)}
+    for kind in heads:
+        inputs[f"heads/{kind}"] = {"manifest": str(stage_dir(cfg.runs_dir, cfg.run, "heads") / kind / MANIFEST)}
     if ev.bundle:
         inputs["bundle"] = {"path": str(Path(ev.bundle).expanduser())}
     write_manifest(out, stage=STAGE, config=dataclasses.asdict(cfg), target_fingerprint=report["target"]["fingerprint"],

@@ -15,8 +15,11 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from pipeline.decode import ModelDrafter, NgramDrafter, speculative_decode
 from pipeline.decode.sampling import accept_sampling, process_logits
 from pipeline.distill.draft import restrict_vocabulary
+from pipeline.heads import build_heads, heads_drafter
 
 VOCAB = 6
+HEAD_SETTINGS = {"medusa": dict(num_heads=2, num_layers=1), "eagle": dict(feature_layers=[0, 1], ttt_steps=1),
+                 "early_exit": dict(exit_layer=1, adapter_rank=4)}
 P_VALUE = 1e-3  # fixed seeds make every test deterministic; this is the bar each must clear
 
 
@@ -93,6 +96,9 @@ def test_top_p_keeps_the_smallest_prefix_reaching_p():
     ("draft_model", 4, 0.7, 0.9),
     ("ngram", 3, 1.0, 1.0),
     ("draft_vocab", 2, 1.0, 1.0),  # a draft proposing from 4 of the 6 tokens
+    ("medusa", 2, 1.0, 1.0),
+    ("eagle", 3, 0.8, 0.95),
+    ("early_exit", 2, 1.0, 1.0),
 ])
 def test_speculative_sampling_matches_the_target_distribution(drafter_kind, k, temperature, top_p):
     target = sharp_llama(0, scale=15.0)
@@ -105,6 +111,14 @@ def test_speculative_sampling_matches_the_target_distribution(drafter_kind, k, t
     gen = torch.Generator().manual_seed(1)
     if drafter_kind == "ngram":
         drafter = NgramDrafter(temperature=temperature, vocab_size=VOCAB)
+    elif drafter_kind in HEAD_SETTINGS:
+        # Heads with random trained weights, proposing from 5 of the 6 tokens.
+        heads = build_heads(drafter_kind, target, torch.tensor([0, 1, 2, 4, 5]), HEAD_SETTINGS[drafter_kind])
+        with torch.no_grad():
+            for p in heads.parameters():
+                if p.requires_grad:
+                    p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(2)) * 0.3)
+        drafter = heads_drafter(heads.eval(), target, temperature, top_p, gen)
     else:
         draft = sharp_llama(7, scale=15.0)
         if drafter_kind == "draft_vocab":

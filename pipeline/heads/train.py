@@ -1,0 +1,153 @@
+"""What the heads learn from one batch: the frozen target's hidden states and distributions in,
+a loss and acceptance statistics out, for medusa, eagle (with training-time test) and early exit.
+
+Every loss compares a head's distribution over its draft vocabulary with the target's own
+next-token distribution renormalised to that vocabulary (distill/losses.py). The statistics
+are against the target's full distribution: α = Σ_v min(p(v), q(v)) (the expected acceptance
+when sampling, 1 − TV) and top-1 agreement (the acceptance of greedy decoding).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from pipeline.distill.data import Batch
+from pipeline.distill.losses import Teacher, distill_loss
+
+
+@dataclass
+class TargetView:
+    """One frozen target pass over a batch."""
+
+    hidden: dict[int, torch.Tensor]
+    """output_hidden_states index -> [B, T, H] (the last index is after the final norm)."""
+    teacher: torch.Tensor
+    """[N, V] the target's logits at the batch's learned positions (batch.rows, batch.cols)."""
+
+
+@dataclass
+class Terms:
+    loss: torch.Tensor
+    alpha: list[torch.Tensor] = field(default_factory=list)
+    """Per draft position (medusa head, eagle step; one for early exit): α at each example."""
+    top1: list[torch.Tensor] = field(default_factory=list)
+
+
+@torch.no_grad()
+def target_view(target: nn.Module, batch: Batch, layers: tuple[int, ...]) -> TargetView:
+    last = target.config.num_hidden_layers
+    wanted = sorted(set(layers) | {last})
+    out = target.get_decoder()(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False,
+                               output_hidden_states=wanted)
+    hidden = {i: out.hidden_states[i] for i in wanted}
+    teacher = target.get_output_embeddings()(hidden[last][batch.rows, batch.cols]).float()
+    return TargetView(hidden, teacher)
+
+
+def score(student: torch.Tensor, teacher: torch.Tensor, draft_to_target: torch.Tensor, loss: str):
+    """(loss, α [N], top-1 agreement [N]) of draft-vocabulary logits [N, V_d] against the target's [N, V]."""
+    value = distill_loss(loss, student, Teacher(teacher[:, draft_to_target]), None)
+    with torch.no_grad():
+        q = torch.softmax(student.float(), dim=-1)
+        p = torch.softmax(teacher, dim=-1)[:, draft_to_target]
+        alpha = torch.minimum(p, q).sum(-1)
+        top1 = (draft_to_target[student.argmax(-1)] == teacher.argmax(-1)).float()
+    return value, alpha, top1
+
+
+def medusa_terms(heads, view: TargetView, batch: Batch, loss: str, decay: float) -> Terms:
+    """Head i at learned position (r, c) predicts token c + i + 2: the target's distribution
+    at c + i + 1, where that position is learned too."""
+    final = view.hidden[max(view.hidden)]
+    b, t = batch.input_ids.shape
+    index = torch.full((b, t), -1, dtype=torch.long, device=final.device)  # learned position -> row of view.teacher
+    index[batch.rows, batch.cols] = torch.arange(len(batch.rows), device=final.device)
+    terms, total, weights = Terms(loss=final.new_zeros(())), 0.0, 0.0
+    for i, block in enumerate(heads.blocks):
+        ahead = batch.cols + i + 1
+        teacher_row = torch.where(ahead < t, index[batch.rows, ahead.clamp(max=t - 1)], -1)
+        ok = teacher_row >= 0
+        if not bool(ok.any()):
+            terms.alpha.append(final.new_zeros(0))
+            terms.top1.append(final.new_zeros(0))
+            continue
+        student = heads.lm_head(block(final[batch.rows[ok], batch.cols[ok]]))
+        value, alpha, top1 = score(student, view.teacher[teacher_row[ok]], heads.draft_to_target, loss)
+        total, weights = total + decay ** i * value, weights + decay ** i
+        terms.alpha.append(alpha)
+        terms.top1.append(top1)
+    terms.loss = total / weights if weights else terms.loss
+    return terms
+
+
+def ttt_mask(valid: torch.Tensor, step: int, dtype: torch.dtype) -> torch.Tensor:
+    """Additive attention mask [B, 1, T, step*T] of simulated draft step `step` (1-based) over
+    the keys of steps 1..step, as the head sees them when drafting: the query at position t
+    (its chain began at t - step + 1) sees step-1 keys up to t - step + 1 (the target's
+    features) and, of each later step r, the one key at t - (step - r) (its own drafts)."""
+    b, t = valid.shape
+    pos = torch.arange(t, device=valid.device)
+    blocks = [(pos[None, :] <= pos[:, None] - (step - 1))[None] & valid[:, None, :]]  # [B, T, T]
+    for r in range(2, step + 1):
+        blocks.append((pos[None, :] == pos[:, None] - (step - r))[None].expand(b, t, t))
+    allowed = torch.cat(blocks, dim=2)
+    return torch.zeros(allowed.shape, dtype=dtype, device=valid.device).masked_fill(
+        ~allowed, torch.finfo(dtype).min)[:, None]
+
+
+def eagle_terms(head, view: TargetView, batch: Batch, loss: str, steps: int) -> Terms:
+    """Head position t reads (fused target features of t, token t+1) and predicts token t+2:
+    the target's distribution at learned position c = t + 1. Step s > 1 (training-time test)
+    feeds the head's own step s-1 output of t-1 in place of the target's features of t."""
+    from transformers import DynamicCache
+
+    ids, valid = batch.input_ids, batch.attention_mask.bool()
+    b, t = ids.shape
+    feats = head.fuse(torch.cat([view.hidden[i] for i in head.feature_layers], dim=-1))
+    next_ids = torch.cat([ids[:, 1:], ids[:, -1:]], dim=1)  # token t+1 at position t (the last is filler)
+    positions = torch.arange(t, device=ids.device)[None].expand(b, t)
+    cache = DynamicCache(config=head.config)
+    terms, total = Terms(loss=feats.new_zeros(())), 0.0
+    for step in range(1, steps + 1):
+        hidden = head.features_out(next_ids, feats, attention_mask=ttt_mask(valid, step, feats.dtype),
+                                   position_ids=positions, cache=cache, use_cache=True)
+        ok = batch.cols >= step  # the chain starts at t - step + 1 >= 0
+        value, alpha, top1 = score(head.logits(hidden[batch.rows[ok], batch.cols[ok] - 1]), view.teacher[ok],
+                                   head.draft_to_target, loss)
+        total = total + value
+        terms.alpha.append(alpha)
+        terms.top1.append(top1)
+        feats = torch.cat([hidden.new_zeros((b, 1, hidden.shape[-1])), hidden[:, :-1]], dim=1)
+    terms.loss = total / steps
+    return terms
+
+
+def early_exit_terms(adapter, view: TargetView, batch: Batch, loss: str, target_norm: nn.Module) -> Terms:
+    """The adapter on layer `exit_layer`'s output, then the target's norm and the LM head's rows,
+    against the target's distribution at the same position."""
+    hidden = view.hidden[adapter.feature_layers[0]][batch.rows, batch.cols]
+    student = adapter.lm_head(target_norm(adapter(hidden)))
+    value, alpha, top1 = score(student, view.teacher, adapter.draft_to_target, loss)
+    return Terms(value, [alpha], [top1])
+
+
+class HeadsForTraining(nn.Module):
+    """The heads behind one forward(view, batch) -> Terms, so DDP and DeepSpeed see every call.
+    `draft` is the trained module (the name distill's checkpoint helpers use)."""
+
+    def __init__(self, heads: nn.Module, target: nn.Module, loss: str, medusa_decay: float, ttt_steps: int) -> None:
+        super().__init__()
+        self.draft = heads
+        self.loss, self.medusa_decay, self.ttt_steps = loss, medusa_decay, ttt_steps
+        object.__setattr__(self, "target_norm", target.get_decoder().norm)  # borrowed, not a submodule
+
+    def forward(self, view: TargetView, batch: Batch) -> Terms:
+        kind = self.draft.kind
+        if kind == "medusa":
+            return medusa_terms(self.draft, view, batch, self.loss, self.medusa_decay)
+        if kind == "eagle":
+            return eagle_terms(self.draft, view, batch, self.loss, self.ttt_steps)
+        return early_exit_terms(self.draft, view, batch, self.loss, self.target_norm)

@@ -1,0 +1,182 @@
+"""The heads stage on a tiny random target: outputs, training, resume, the eval hand-off, and
+that EAGLE's training-time test sees exactly what drafting later feeds the head."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import compose_config, run_cli, write_jsonl
+from pipeline import data
+from pipeline import eval as evaluation
+from pipeline.distill.data import collate, load_examples
+from pipeline.errors import PipelineError
+from pipeline.heads import stage as heads_stage
+from pipeline.heads.models import build_heads
+from pipeline.heads.train import eagle_terms, target_view, ttt_mask
+from pipeline.models import load_target
+
+KIND_OVERRIDES = {"medusa": ["heads.medusa_num_heads=3"], "eagle": ["heads.ttt_steps=2"],
+                  "early_exit": ["heads.exit_layer=1", "heads.adapter_rank=8"]}
+
+
+def overrides(target_dir, runs_dir, kind, *extra):
+    return ["target=hf", f"target.name_or_path={target_dir}", f"runs_dir={runs_dir}", "run=h", f"heads={kind}",
+            *KIND_OVERRIDES[kind], "heads.batch_size=2", "heads.max_steps=6", "heads.eval_every=3",
+            "heads.lr=0.01", "heads.warmup_steps=1", "heads.draft_vocab_size=40", *extra]
+
+
+@pytest.fixture(scope="module")
+def generated(tiny_target_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("gen")
+    prompts = write_jsonl(root / "p.jsonl", [{"id": f"p{i}", "prompt": f"tell me about number {i}"}
+                                             for i in range(12)])
+    data.run(compose_config("target=hf", f"target.name_or_path={tiny_target_dir}", "data=file",
+                            f"data.path={prompts}", "data.split=all", f"runs_dir={root}", "run=h",
+                            "generate.max_new_tokens=12"))
+    return root
+
+
+def fresh_run(generated, tmp_path):
+    import shutil
+
+    shutil.copytree(generated / "h" / "generate", tmp_path / "h" / "generate")
+    return tmp_path
+
+
+def test_every_kind_trains_and_eval_reports_it(tiny_target_dir, generated, tmp_path):
+    runs = fresh_run(generated, tmp_path)
+    for kind in ("medusa", "eagle", "early_exit"):
+        out = heads_stage.run(compose_config(*overrides(tiny_target_dir, runs, kind), stage="heads"))
+        assert out == runs / "h" / "heads" / kind
+        for name in ("heads.safetensors", "heads_config.json", "initial/heads.safetensors", "metrics.jsonl",
+                     "manifest.json"):
+            assert (out / name).is_file(), (kind, name)
+        assert not (out / "state").exists()
+        config = json.loads((out / "heads_config.json").read_text())
+        assert config["kind"] == kind and config["draft_vocab_size"] == 40
+        metrics = json.loads((out / "manifest.json").read_text())["metrics"]
+        assert metrics["steps"] == 6 and 0 <= metrics["heldout_alpha_end"] <= 1
+        records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
+        before, after = load_file(out / "initial/heads.safetensors"), load_file(out / "heads.safetensors")
+        assert any(not torch.equal(before[k], after[k]) for k in before if k != "draft_to_target"), kind
+    positions = {"medusa": 3, "eagle": 2, "early_exit": 1}
+    for kind, n in positions.items():
+        metrics = json.loads((runs / "h/heads" / kind / "manifest.json").read_text())["metrics"]
+        assert len(metrics["heldout_alpha_by_position_end"]) == n, kind
+
+    prompts = write_jsonl(tmp_path / "e.jsonl", [{"id": "e0", "prompt": "hello"}, {"id": "e1", "prompt": "bye"}])
+    cfg = compose_config("target=hf", f"target.name_or_path={tiny_target_dir}", f"runs_dir={runs}", "run=h",
+                         "data=file", f"data.path={prompts}", "eval.max_new_tokens=8", "eval.sweep=[1,2]",
+                         "eval.sweep_prompts=1", "eval.compare_hf=true", stage="eval")
+    report = json.loads((evaluation.run(cfg) / "report.json").read_text())
+    for kind in ("medusa", "eagle", "early_exit"):
+        method = report["methods"][kind]
+        assert method["drafter"] == kind and method["lossless"] is True, kind
+        assert method["tau"] >= 1.0 and report["costs"]["draft_cost_ratio"][kind] > 0
+    assert not any(kind in name for kind in positions for name in report["hf_methods"])
+
+
+def test_training_lowers_the_loss_and_raises_the_heldout_acceptance(tiny_target_dir, generated, tmp_path):
+    runs = fresh_run(generated, tmp_path)
+    out = heads_stage.run(compose_config(*overrides(tiny_target_dir, runs, "eagle", "heads.max_steps=20",
+                                                    "heads.eval_every=20", "heads.draft_vocab_size=0"), stage="heads"))
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    metrics = json.loads((out / "manifest.json").read_text())["metrics"]
+    assert sum(r["loss"] for r in records[-3:]) < sum(r["loss"] for r in records[:3])
+    assert metrics["heldout_alpha_end"] > metrics["heldout_alpha_start"]
+
+
+def test_a_stopped_run_resumes_to_the_same_weights(tiny_target_dir, generated, tmp_path, monkeypatch):
+    whole = heads_stage.run(compose_config(*overrides(tiny_target_dir, fresh_run(generated, tmp_path / "a"), "eagle"),
+                                           stage="heads"))
+    runs = fresh_run(generated, tmp_path / "b")
+    cfg = compose_config(*overrides(tiny_target_dir, runs, "eagle", "heads.save_every=2"), stage="heads")
+    calls = {"n": 0}
+    real = heads_stage.target_view
+
+    def dies_in_step_five(*args, **kwargs):
+        calls["n"] += torch.is_grad_enabled()  # a training step (held-out passes run without grad)
+        if calls["n"] == 5:
+            raise KeyboardInterrupt  # as if the process were killed during step 5
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(heads_stage, "target_view", dies_in_step_five)
+    with pytest.raises(KeyboardInterrupt):
+        heads_stage.run(cfg)
+    assert json.loads((runs / "h/heads/eagle/state/last/trainer.json").read_text())["step"] == 4
+    assert not (runs / "h/heads/eagle/manifest.json").exists()
+    monkeypatch.setattr(heads_stage, "target_view", real)
+    changed = compose_config(*overrides(tiny_target_dir, runs, "eagle", "heads.save_every=2", "heads.lr=0.02"),
+                             stage="heads")
+    with pytest.raises(PipelineError, match="another config"):
+        heads_stage.run(changed)
+    resumed = heads_stage.run(cfg)
+    a, b = load_file(whole / "heads.safetensors"), load_file(resumed / "heads.safetensors")
+    assert set(a) == set(b)
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=1e-5, atol=1e-6)
+
+
+def test_the_cli_trains_heads_after_generate_and_refuses_without_it(tiny_target_dir, generated, tmp_path):
+    runs = fresh_run(generated, tmp_path)
+    common = ["target=hf", f"target.name_or_path={tiny_target_dir}", f"runs_dir={runs}"]
+    done = run_cli("stage=heads", "heads=medusa", "heads.max_steps=4", "heads.draft_vocab_size=40", "run=h", *common,
+                   cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert (runs / "h/heads/medusa/manifest.json").is_file()
+    missing = run_cli("stage=heads", "heads=eagle", "heads.max_steps=4", "run=nothing", *common, cwd=tmp_path)
+    assert missing.returncode == 1 and "stage=generate" in missing.stderr.strip().splitlines()[-1]
+    bad = run_cli("stage=heads", "heads=early_exit", "heads.exit_layer=9", "heads.max_steps=4", "run=h", *common,
+                  cwd=tmp_path)
+    assert bad.returncode == 1 and "heads.exit_layer=9" in bad.stderr.strip().splitlines()[-1]
+
+
+def test_ttt_mask_shows_each_step_what_drafting_shows_it():
+    valid = torch.tensor([[True, True, True, True, False]])
+    allowed = lambda step: (ttt_mask(valid, step, torch.float32)[0, 0] == 0)  # [T, step*T]
+    assert torch.equal(allowed(1), torch.tensor([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0],
+                                                 [1, 1, 1, 1, 0], [1, 1, 1, 1, 0]], dtype=torch.bool))
+    two = allowed(2)
+    # Position 3 at step 2 (chain from position 2): the target's features up to 2, its own key at 3.
+    assert two[3].nonzero().flatten().tolist() == [0, 1, 2, 5 + 3]
+    three = allowed(3)
+    # Position 3 at step 3 (chain from position 1): target features up to 1, step 2's key at 2, its own at 3.
+    assert three[3].nonzero().flatten().tolist() == [0, 1, 5 + 2, 10 + 3]
+    assert bool(three.any(dim=1).all())  # no query is left without a key
+
+
+def test_eagle_training_steps_equal_drafting_step_by_step(tiny_target_dir, generated):
+    """The logits that training-time test computes at step s for position t are the logits the
+    head produces when it drafts: target features up to the chain's start, then its own."""
+    target = load_target(name_or_path=str(tiny_target_dir))
+    examples, _ = load_examples(generated / "h/generate/dataset", 64)
+    batch = collate(examples[:1], target.tokenizer.pad_token_id, False)
+    head = build_heads("eagle", target.model, torch.arange(target.model.config.vocab_size),
+                       dict(feature_layers=[1, 2], ttt_steps=3)).eval()
+    with torch.no_grad():
+        for p in head.parameters():
+            if p.requires_grad:
+                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(5)) * 0.2)
+    view = target_view(target.model, batch, head.feature_layers)
+    captured = []
+    real_logits = head.logits
+    head.logits = lambda hidden: captured.append(real_logits(hidden)) or captured[-1]
+    with torch.no_grad():
+        eagle_terms(head, view, batch, "forward_kl", steps=3)
+    del head.logits
+    ids = batch.input_ids[0]
+    feats = head.fuse(torch.cat([view.hidden[i] for i in head.feature_layers], dim=-1))
+    with torch.no_grad():
+        for step in (1, 2, 3):
+            cols = batch.cols[batch.cols >= step].tolist()
+            for j, c in enumerate(cols[:: max(1, len(cols) // 4)]):
+                j = cols.index(c)
+                start = c - 1 - (step - 1)  # the chain's first position: target features up to it
+                chain = feats.new_zeros((1, 0, feats.shape[-1]))
+                for s in range(1, step + 1):  # plain causal passes, the head's own outputs appended
+                    h = head.features_out(ids[None, 1 : start + s + 1], torch.cat([feats[:, : start + 1], chain], 1))
+                    chain = torch.cat([chain, h[:, -1:]], dim=1)
+                torch.testing.assert_close(head.logits(chain[0, -1]), captured[step - 1][j], rtol=1e-4, atol=1e-4)
