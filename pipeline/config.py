@@ -153,6 +153,18 @@ class EvalConfig:
     ngram_max: int = 3
     ngram_min: int = 2
     """Prompt lookup matches the last ngram_max..ngram_min tokens."""
+    trees: bool = True
+    """Also measure token trees for trained heads: medusa_tree (a static tree) and eagle_tree
+    (EAGLE-2 dynamic trees), verified in one target pass, at batch size 1."""
+    tree_budgets: list[int] = field(default_factory=lambda: [4, 8, 16])
+    """Tree sizes (draft tokens per target pass) the sweep measures for tree methods."""
+    tree_depth: int = 5
+    """eagle_tree: depths expanded per round."""
+    tree_topk: int = 4
+    """eagle_tree: nodes expanded per depth, and children per expanded node."""
+    medusa_choices: Optional[list[list[int]]] = None
+    """medusa_tree: the static tree as Medusa's choices (paths of candidate ranks per head,
+    e.g. [[0], [1], [0, 0]]); default: the most promising paths for each budget."""
     compare_hf: bool = False
     """Also run HF assisted generation and prompt lookup with the same drafts and num_draft_tokens."""
     decode_layout: bool = True
@@ -167,6 +179,10 @@ class EvalConfig:
             _check_positive(f"eval.{name}", getattr(self, name))
         if not self.sweep or min(self.sweep) < 1:
             raise ValueError(f"eval.sweep needs positive values, got {self.sweep}")
+        if not self.tree_budgets or min(self.tree_budgets) < 1:
+            raise ValueError(f"eval.tree_budgets needs positive values, got {self.tree_budgets}")
+        _check_positive("eval.tree_depth", self.tree_depth)
+        _check_positive("eval.tree_topk", self.tree_topk)
         if self.temperature < 0 or not 0.0 < self.top_p <= 1.0:
             raise ValueError("eval.temperature must be >= 0 and eval.top_p in (0, 1]")
         if self.ngram_min > self.ngram_max:

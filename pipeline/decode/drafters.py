@@ -192,13 +192,35 @@ class MedusaDrafter:
     name = "medusa"
 
     def __init__(self, heads, vocab_size: int, temperature: float = 0.0, top_p: float = 1.0,
-                 generator: Optional[torch.Generator] = None):
+                 generator: Optional[torch.Generator] = None, choices: Optional[list] = None):
         self.heads, self.vocab_size = heads, vocab_size
         self.temperature, self.top_p, self.generator = temperature, top_p, generator
         self.feature_layers = heads.feature_layers
+        self.choices = [tuple(c) for c in choices] if choices else None
+        if self.choices:
+            bad = [c for c in self.choices if len(c) > 1 and c[:-1] not in self.choices or len(c) > heads.num_heads]
+            if bad:
+                raise ValueError(f"medusa tree choices {bad[:3]} lack their parent path or go deeper than "
+                                 f"the {heads.num_heads} heads")
+            self.choices.sort(key=lambda c: (len(c), c))
+        self._trees: dict[int, list[tuple[int, ...]]] = {}
 
     def start(self, prompts: torch.Tensor, prompt_valid: torch.Tensor) -> None:
         self.hidden = None
+
+    def propose_tree(self, seq: list[int], budget: int):
+        """A static tree (Medusa's choices, or the `budget` most promising rank paths): the node
+        at path (r_1..r_d) is head d's rank-r_d candidate."""
+        from pipeline.decode.tree import TreeProposal, static_tree
+
+        choices = self.choices or self._trees.setdefault(budget, static_tree(budget, self.heads.num_heads))
+        depth, width = max(map(len, choices)), max(max(c) for c in choices) + 1
+        logits = self.heads(self.hidden)[0, :depth]  # [depth, V_draft]
+        top = self.heads.draft_to_target[logits.topk(min(width, logits.shape[-1])).indices]  # [depth, width]
+        index = {c: i for i, c in enumerate(choices)}
+        tokens = torch.stack([top[len(c) - 1, min(c[-1], top.shape[1] - 1)] for c in choices])
+        parents = torch.tensor([index[c[:-1]] if len(c) > 1 else -1 for c in choices], device=tokens.device)
+        return TreeProposal(tokens, parents)
 
     def observe(self, features: torch.Tensor, kept: torch.Tensor) -> None:
         self.hidden = last_kept(features, kept)  # [B, H]
@@ -229,8 +251,9 @@ class EagleDrafter:
     name = "eagle"
 
     def __init__(self, head, vocab_size: int, temperature: float = 0.0, top_p: float = 1.0,
-                 generator: Optional[torch.Generator] = None):
+                 generator: Optional[torch.Generator] = None, tree_depth: int = 5, tree_topk: int = 4):
         self.head, self.vocab_size = head, vocab_size
+        self.tree_depth, self.tree_topk = tree_depth, tree_topk
         self.temperature, self.top_p, self.generator = temperature, top_p, generator
         self.feature_layers = head.feature_layers
 
@@ -243,10 +266,13 @@ class EagleDrafter:
         for row in range(features.shape[0]):
             self.pending[row].append(features[row][kept[row]])
 
-    def propose(self, seqs: list[list[int]], num_draft_tokens: int) -> Proposal:
-        k, device = num_draft_tokens, self.kv.valid.device
+    def _catch_up(self, seqs: list[list[int]]):
+        """Drop the last round's drafts and feed the pending target features; the head's output
+        at the last one (its logits predict the first draft token)."""
+        device = self.kv.valid.device
         if self.drafted:
             self.kv.keep_last(torch.zeros((len(seqs), self.drafted), dtype=torch.bool, device=device))
+            self.drafted = 0
         # Pending features are of positions n-1-m .. n-2 of a row's n tokens; their next tokens
         # are the row's last m. Right-aligned, fillers masked.
         new = [torch.cat(chunks) for chunks in self.pending]
@@ -260,7 +286,11 @@ class EagleDrafter:
             ids[row, width - m:] = torch.tensor(seq[len(seq) - m:], dtype=torch.long)
             valid[row, width - m:] = True
         self.pending = [[] for _ in seqs]
-        out = self.kv.run(ids.to(device), valid.to(device), logits_to_keep=1, features=self.head.fuse(feats))
+        return self.kv.run(ids.to(device), valid.to(device), logits_to_keep=1, features=self.head.fuse(feats))
+
+    def propose(self, seqs: list[list[int]], num_draft_tokens: int) -> Proposal:
+        k = num_draft_tokens
+        out = self._catch_up(seqs)
         tokens, probs = [], []
         for i in range(k):
             token, q = draw(out.logits[:, -1], self.temperature, self.top_p, self.generator,
@@ -271,6 +301,63 @@ class EagleDrafter:
                 out = self.kv.run(token[:, None], features=out.hidden[:, -1:])
         self.drafted = k - 1
         return chain_proposal(tokens, probs)
+
+    def propose_tree(self, seq: list[int], budget: int):
+        """An EAGLE-2 dynamic tree: from the root, expand the `tree_topk` most probable nodes of
+        each depth (cumulative draft log-probability) with their `tree_topk` best children,
+        for `tree_depth` depths; keep the `budget` most probable nodes."""
+        from pipeline.decode.tree import TreeProposal
+
+        out = self._catch_up([seq])
+        topk, to_target = self.tree_topk, self.head.draft_to_target
+        device = out.logits.device
+        committed = self.kv.valid.shape[1]
+        scores, parents, tokens, depths = [], [], [], []  # every candidate node
+        fed_slot: dict[int, int] = {}  # node -> its slot among the head's tree entries
+        fed_hidden: dict[int, torch.Tensor] = {}
+
+        def add_children(logits: torch.Tensor, parent: int, base: float) -> list[int]:
+            logp = torch.log_softmax(logits.float(), dim=-1).topk(min(topk, logits.shape[-1]))
+            new = []
+            for value, index in zip(logp.values.tolist(), logp.indices.tolist()):
+                new.append(len(scores))
+                scores.append(base + value)
+                parents.append(parent)
+                tokens.append(index)
+                depths.append(1 if parent < 0 else depths[parent] + 1)
+            return new
+
+        frontier = add_children(out.logits[0, -1], -1, 0.0)
+        root_hidden = out.hidden[0, -1]
+        for depth in range(1, self.tree_depth):
+            expand = sorted(frontier, key=lambda n: -scores[n])[:topk]
+            m, fed = len(expand), len(fed_slot)
+            allowed = torch.zeros((m, committed + fed + m), dtype=torch.bool, device=device)
+            allowed[:, :committed] = True
+            for row, node in enumerate(expand):
+                ancestor = parents[node]
+                while ancestor >= 0:
+                    allowed[row, committed + fed_slot[ancestor]] = True
+                    ancestor = parents[ancestor]
+                allowed[row, committed + fed + row] = True
+            feats = torch.stack([root_hidden if parents[n] < 0 else fed_hidden[parents[n]] for n in expand])[None]
+            ids = to_target[torch.tensor([tokens[n] for n in expand], device=device)][None]
+            positions = torch.full((m,), committed - 1 + depth, device=device)
+            step = self.kv.run_masked(ids, allowed, positions, features=feats)
+            frontier = []
+            for row, node in enumerate(expand):
+                fed_slot[node] = fed + row
+                fed_hidden[node] = step.hidden[0, row]
+                frontier += add_children(step.logits[0, row], node, scores[node])
+        self.drafted = len(fed_slot)
+        # The budget's most probable nodes; a child never scores above its parent, and ties go
+        # to the shallower node, so every chosen node's ancestors are chosen too.
+        chosen = sorted(sorted(range(len(scores)), key=lambda n: (-scores[n], depths[n]))[:budget],
+                        key=lambda n: (depths[n], n))
+        position = {n: i for i, n in enumerate(chosen)}
+        return TreeProposal(to_target[torch.tensor([tokens[n] for n in chosen], device=device)],
+                            torch.tensor([position[parents[n]] if parents[n] >= 0 else -1 for n in chosen],
+                                         device=device))
 
     def accepted(self, num_accepted: torch.Tensor) -> None:
         pass  # every draft entry is dropped before the next round

@@ -62,6 +62,14 @@ def in_place_cache(config):
             if tokens_to_remove and self.is_initialized:
                 self._set_length(self.length - abs(tokens_to_remove))
 
+        def keep_tail(self, tail: int, index: torch.Tensor) -> None:
+            """Of the last `tail` slots keep those at `index` (in that order), contiguously."""
+            start = self.length - tail
+            end = start + len(index)
+            self.key_buffer[..., start:end, :] = self.key_buffer[..., start + index, :]
+            self.value_buffer[..., start:end, :] = self.value_buffer[..., start + index, :]
+            self._set_length(end)
+
         def batch_select_indices(self, indices: torch.Tensor) -> None:
             if self.is_initialized and self.key_buffer is not None:
                 self.key_buffer = self.key_buffer[indices]
@@ -110,6 +118,36 @@ class SlotCache:
     ) -> torch.Tensor:
         """Logits [B, S', V] of `run` where S' = logits_to_keep or S."""
         return self.run(tokens, new_valid, logits_to_keep).logits
+
+    def run_masked(self, tokens: torch.Tensor, allowed: torch.Tensor, positions: torch.Tensor, **inputs):
+        """Run tokens [1, S] after the cache with an explicit mask, batch size 1: allowed [S, T + S]
+        (query i may attend slot j, T = slots already cached), positions [S]. Token trees use it:
+        each token attends the cache and its own ancestors."""
+        if self.valid.shape[0] != 1 or not bool(self.valid.all()):
+            raise ValueError("tree verification runs at batch size 1")
+        s = tokens.shape[1]
+        dtype = next(self.model.parameters()).dtype
+        mask = torch.zeros((1, 1, *allowed.shape), dtype=dtype, device=tokens.device).masked_fill(
+            ~allowed, torch.finfo(dtype).min)
+        self.valid = torch.cat([self.valid, self.valid.new_ones((1, s))], dim=1)
+        return self.model(input_ids=tokens, attention_mask=mask, position_ids=positions[None],
+                          cache=self.cache, use_cache=True, **inputs)
+
+    def run_tree(self, tokens: torch.Tensor, ancestors: torch.Tensor, **inputs):
+        """A token tree after the cache: tokens [1, S], parents before children; ancestors [S, S]
+        (i attends j: j is i or an ancestor of i). A token sits at (cached length + its depth)."""
+        cached = self.valid.shape[1]
+        allowed = torch.cat([ancestors.new_ones((ancestors.shape[0], cached)), ancestors], dim=1)
+        return self.run_masked(tokens, allowed, cached + ancestors.sum(dim=1) - 1, **inputs)
+
+    def keep_tree(self, tail: int, index: torch.Tensor) -> None:
+        """Of the last `tail` slots (a tree) keep those at `index` (a path, in order), moving their
+        keys and values together; the rest are dropped. Batch size 1."""
+        for layer in self.cache.layers:
+            if not hasattr(layer, "keep_tail"):
+                raise ValueError(f"tree verification needs full-attention cache layers, not {type(layer).__name__}")
+            layer.keep_tail(tail, index)
+        self.valid = self.valid[:, : self.valid.shape[1] - tail + len(index)]
 
     def keep_last(self, keep: torch.Tensor) -> None:
         """Of the last forward's S slots, keep those where keep [B, S] is True; drop the rest."""

@@ -20,6 +20,7 @@ from pipeline.decode import DecodeResult, ModelDrafter, NgramDrafter, plain_deco
 Decode = Callable[[list[list[int]]], DecodeResult]
 HF_METHODS = ("hf_generate", "hf_prompt_lookup", "hf_assisted")
 HEAD_METHODS = ("medusa", "eagle", "early_exit")
+TREE_METHODS = ("medusa_tree", "eagle_tree")
 
 
 @dataclass
@@ -35,6 +36,9 @@ class Settings:
     seed: int = 0
     ngram_max: int = 3
     ngram_min: int = 2
+    tree_depth: int = 5
+    tree_topk: int = 4
+    medusa_choices: Optional[list] = None
     hf_model: Optional[torch.nn.Module] = None
     """The target as transformers lays it out, for HF's methods (default: `model`)."""
 
@@ -107,12 +111,17 @@ def make_decode(drafter: str, settings: Settings, num_draft_tokens: Optional[int
         return lambda prompts: speculative_decode(
             s.model, ModelDrafter(draft_model, s.temperature, s.top_p, generator), prompts,
             num_draft_tokens=num_draft_tokens, generator=generator, **common)
-    if drafter in HEAD_METHODS:
+    if drafter in HEAD_METHODS or drafter in TREE_METHODS:
+        from pipeline.decode.tree import tree_decode
         from pipeline.heads import heads_drafter
 
-        return lambda prompts: speculative_decode(
-            s.model, heads_drafter(draft_model, s.model, s.temperature, s.top_p, generator), prompts,
-            num_draft_tokens=num_draft_tokens, generator=generator, **common)
+        make = lambda: heads_drafter(draft_model, s.model, s.temperature, s.top_p, generator, tree_depth=s.tree_depth,
+                                     tree_topk=s.tree_topk, medusa_choices=s.medusa_choices)
+        if drafter in TREE_METHODS:
+            return lambda prompts: tree_decode(s.model, make(), prompts, budget=num_draft_tokens,
+                                               generator=generator, **common)
+        return lambda prompts: speculative_decode(s.model, make(), prompts, num_draft_tokens=num_draft_tokens,
+                                                  generator=generator, **common)
     if drafter in HF_METHODS:
         return hf_decode(drafter, settings, num_draft_tokens, draft_model)
     raise ValueError(f"unknown drafter {drafter!r}")

@@ -67,7 +67,8 @@ def markdown(report: dict[str, Any]) -> str:
                   "| k | τ | proposal rate | tokens/s | vs plain | predicted |", "|---:|---:|---:|---:|---:|---:|"]
         for row in sweep:
             lines.append(f"| {row['num_draft_tokens']} | {_fmt(row['tau'])} | {row['proposal_rate']:.2f} | "
-                         f"{row['tokens_per_s']:.2f} | {row['speedup_vs_plain']:.2f}x | {_fmt(row['predicted_speedup'])}x |")
+                         f"{row['tokens_per_s']:.2f} | {row['speedup_vs_plain']:.2f}x | "
+                         f"{_fmt(row['predicted_speedup'])}{'x' if row['predicted_speedup'] else ''} |")
     costs = report["costs"]
     lines += ["", "Costs (median forward time, relative to one target forward of one token, "
                   f"{costs['target_forward_s'] * 1000:.1f} ms):",
@@ -103,11 +104,13 @@ def plots(report: dict[str, Any], out: Path) -> dict[str, Path]:
     for name, sweep in report.get("sweeps", {}).items():
         ks = [r["num_draft_tokens"] for r in sweep]
         line, = ax.plot(ks, [r["speedup_vs_plain"] for r in sweep], marker="o", label=f"{name} measured")
-        ax.plot(ks, [r["predicted_speedup"] for r in sweep], linestyle="--", color=line.get_color(),
-                label=f"{name} predicted")
+        if all(r["predicted_speedup"] is not None for r in sweep):  # trees have no chain model
+            ax.plot(ks, [r["predicted_speedup"] for r in sweep], linestyle="--", color=line.get_color(),
+                    label=f"{name} predicted")
     ax.axhline(1.0, color="gray", linewidth=1)
     ax.set_xticks(sorted({r["num_draft_tokens"] for sweep in report.get("sweeps", {}).values() for r in sweep}))
-    ax.set(xlabel="num_draft_tokens (k)", ylabel="speedup over plain decoding", title=f"Speedup vs k: {title}")
+    ax.set(xlabel="num_draft_tokens (k; a tree's size)", ylabel="speedup over plain decoding",
+           title=f"Speedup vs k: {title}")
     ax.grid(alpha=0.3)
     if report.get("sweeps"):
         ax.legend()

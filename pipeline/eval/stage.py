@@ -164,11 +164,15 @@ def run(cfg: Config) -> Path:
                                                heads=heads)
     settings = Settings(model=target.model, tokenizer=tok, eos_ids=set(eos_token_ids(target.model, tok)),
                         max_new_tokens=ev.max_new_tokens, temperature=ev.temperature, top_p=ev.top_p,
-                        seed=cfg.seed, ngram_max=ev.ngram_max, ngram_min=ev.ngram_min, hf_model=hf_model)
+                        seed=cfg.seed, ngram_max=ev.ngram_max, ngram_min=ev.ngram_min, hf_model=hf_model,
+                        tree_depth=ev.tree_depth, tree_topk=ev.tree_topk, medusa_choices=ev.medusa_choices)
     greedy = ev.temperature == 0
     num_turns = sum(min(len(c.user_turns), cfg.data.max_turns or 99) for c in convs)
     spec = (([("ngram", "ngram", None)] if ev.ngram else []) + [(n, "draft_model", d) for n, d in drafts.items()]
-            + [(kind, kind, module) for kind, module in heads.items()])
+            + [(kind, kind, module) for kind, module in heads.items()]
+            + [(f"{kind}_tree", f"{kind}_tree", module) for kind, module in heads.items()
+               if ev.trees and kind in ("medusa", "eagle")])
+    sweep_of = lambda drafter: ev.tree_budgets if drafter.endswith("_tree") else ev.sweep
     log.info("eval: %d conversations (%d turns) from %s; methods plain, hf_generate, %s",
              len(convs), num_turns, cfg.data.source, ", ".join(n for n, _, _ in spec) or "no drafters")
 
@@ -192,13 +196,18 @@ def run(cfg: Config) -> Path:
         make_decode(drafter, short, 2, draft)([first_prompt_ids(tok, convs[0])])
 
     # Costs that explain speedups: a target forward of k+1 tokens and a draft forward, per target token.
-    ks = sorted(set(ev.sweep) | set(bundle_k.values())
+    ks = sorted(set(ev.sweep) | set(bundle_k.values()) | (set(ev.tree_budgets) if ev.trees and heads else set())
                 | ({ev.fixed_num_draft_tokens} if ev.fixed_num_draft_tokens else set()))
     one = forward_seconds(target.model, 1)
     verify_cost = {k: forward_seconds(target.model, k + 1) / one for k in ks}
     draft_cost = {name: forward_seconds(d, 1) / one for name, d in drafts.items()}
     draft_cost.update({name: heads_seconds(module, target.model) / one for name, module in heads.items()})
-    cost_of = lambda name: draft_cost.get(name, 0.0)
+    cost_of = lambda name: draft_cost.get(name.removesuffix("_tree"), 0.0)  # a tree's head: per draft step
+
+    def predicted(name: str, m: Measurement, k: int) -> Optional[float]:
+        if name.endswith("_tree"):  # a tree's draft work is not k chain steps: no simple model
+            return None
+        return predicted_speedup(m.acceptance_by_position, cost_of(name), verify_cost[k], m.proposal_rate)
 
     sweeps, chosen = {}, {}
     if ev.fixed_num_draft_tokens is not None:
@@ -209,18 +218,16 @@ def run(cfg: Config) -> Path:
     if swept_spec:
         candidates = {"plain": method("plain")}
         candidates.update({f"{name} k={k}": method(drafter, k, draft) for name, drafter, draft in swept_spec
-                           for k in ev.sweep})
+                           for k in sweep_of(drafter)})
         swept = run_methods(candidates, convs[: ev.sweep_prompts], cfg.data.max_turns, "eval sweep")
         base = swept["plain"].total.tokens_per_s
-        for name, _, _ in swept_spec:
+        for name, drafter, _ in swept_spec:
             rows = []
-            for k in ev.sweep:
+            for k in sweep_of(drafter):
                 m = swept[f"{name} k={k}"]
                 rows.append(dict(num_draft_tokens=k, tau=m.total.tau, acceptance_by_position=m.acceptance_by_position,
                                  tokens_per_s=m.total.tokens_per_s, speedup_vs_plain=m.total.tokens_per_s / base,
-                                 proposal_rate=m.proposal_rate,
-                                 predicted_speedup=predicted_speedup(m.acceptance_by_position, cost_of(name),
-                                                                     verify_cost[k], m.proposal_rate)))
+                                 proposal_rate=m.proposal_rate, predicted_speedup=predicted(name, m, k)))
             sweeps[name] = rows
             chosen[name] = max(rows, key=lambda r: r["tokens_per_s"])["num_draft_tokens"]
 
@@ -242,8 +249,7 @@ def run(cfg: Config) -> Path:
         entry["num_draft_tokens_mode"] = ("auto" if name in sweeps
                                           else "fixed" if ev.fixed_num_draft_tokens is not None else "bundle")
         entry["proposal_rate"] = m.proposal_rate
-        entry["predicted_speedup"] = predicted_speedup(m.acceptance_by_position, cost_of(name), verify_cost[k],
-                                                       m.proposal_rate)
+        entry["predicted_speedup"] = predicted(name, m, k)
         entry["draft_cost_ratio"] = cost_of(name)
         methods[name] = {**entry, **losslessness(target.model, plain, m, greedy, name)}
         if name in hf_names:

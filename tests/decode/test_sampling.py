@@ -140,3 +140,28 @@ def test_speculative_sampling_matches_the_target_distribution(drafter_kind, k, t
     # The joint of the first two tokens (36 outcomes).
     pairs = joint.reshape(VOCAB * VOCAB, VOCAB).sum(1)
     assert_matches(pairs, exact.reshape(VOCAB * VOCAB, VOCAB).sum(1), "tokens 1-2")
+
+
+@pytest.mark.parametrize("temperature, top_p", [(1.0, 1.0), (0.7, 0.9)])
+def test_tree_acceptance_samples_the_target_distribution(temperature, top_p):
+    """Walking a token tree (siblings tried in turn, each rejected token's mass removed)
+    emits the target's distribution: the first token's, and the second's given the first."""
+    from pipeline.decode.tree import TreeProposal, walk
+
+    gen = torch.Generator().manual_seed(0)
+    # Root children: tokens 0, 2 and 2 again (a duplicate is never accepted twice); node 1 (token 0)
+    # has children 1 and 3.
+    tree = TreeProposal(torch.tensor([0, 2, 2, 1, 3]), torch.tensor([-1, -1, -1, 0, 0]))
+    logits = torch.randn((6, VOCAB), generator=gen) * 2.0
+    logits[0, 0] = logits[0].max() + 0.5  # token 0 first about half the time: enough samples after it
+    n = 40_000
+    first, second_after_0 = torch.zeros(VOCAB), torch.zeros(VOCAB)
+    tokens = [-1] + tree.tokens.tolist()
+    for _ in range(n):
+        path, following, _ = walk(tree, logits, temperature, top_p, gen)
+        emitted = [tokens[i] for i in path[1:]] + [following]
+        first[emitted[0]] += 1
+        if emitted[0] == 0:
+            second_after_0[emitted[1]] += 1
+    assert_matches(first, process_logits(logits[0], temperature, top_p), "first token")
+    assert_matches(second_after_0, process_logits(logits[1], temperature, top_p), "second token after token 0")

@@ -84,3 +84,57 @@ def test_heads_save_and_load_round_trip(kind, tmp_path):
         assert torch.equal(own_state(loaded)[name], value), name
     # Only the heads' own weights are stored, never the target's.
     assert all("embed_tokens" not in n for n in own_state(heads))
+
+
+@pytest.mark.parametrize("kind", ["medusa", "eagle"])
+@pytest.mark.parametrize("budget", [1, 6, 20])
+def test_greedy_trees_match_plain_decoding(kind, budget):
+    from pipeline.decode.tree import tree_decode
+
+    target = tiny_target()
+    heads = random_heads(kind, target, torch.randperm(40, generator=torch.Generator().manual_seed(3))[:30])
+    prompts = [[1, 5, 9, 2], [7, 3]]
+    common = dict(max_new_tokens=24, eos_ids={39}, pad_id=0)
+    out = tree_decode(target, heads_drafter(heads, target), prompts, budget=budget, **common)
+    assert out.tokens == plain_decode(target, prompts, **common).tokens
+    assert out.proposed_by_position[0] > 0
+
+
+def test_a_tree_step_keeps_exactly_the_accepted_paths_kv_entries():
+    """After verifying a tree, the target's cache holds the committed tokens' keys and values
+    as if they had been decoded one by one: the accepted path's, in order, nothing else."""
+    from pipeline.decode.kv import SlotCache
+    from pipeline.decode.tree import TreeProposal, ancestors, walk
+
+    target = tiny_target()
+    prompt = torch.tensor([[1, 5, 9, 2]])
+    kv = SlotCache(target, 1, torch.device("cpu"))
+    with torch.inference_mode():
+        logits = kv.forward(prompt)
+        last = int(logits[0, -1].argmax())
+        # The target's own next two tokens, as a path buried among wrong siblings and a deep decoy.
+        follow = target.generate(torch.tensor([[1, 5, 9, 2, last]]), max_new_tokens=2, do_sample=False)[0, -2:]
+        a, b = follow.tolist()
+        wrong = lambda t: (t + 7) % 40
+        tree = TreeProposal(torch.tensor([wrong(a), a, wrong(b), b, wrong(b), 11]),
+                            torch.tensor([-1, -1, 1, 1, 0, 4]))
+        out = kv.run_tree(torch.cat([torch.tensor([last]), tree.tokens])[None], ancestors(tree.parents))
+        path, following, verdicts = walk(tree, out.logits[0], 0.0, 1.0, None)
+        assert path == [0, 2, 4] and verdicts == [True, True]
+        kv.keep_tree(7, torch.tensor(path))
+        reference = SlotCache(target, 1, torch.device("cpu"))
+        ref_logits = reference.forward(torch.tensor([[1, 5, 9, 2, last, a, b]]))
+    assert following == int(ref_logits[0, -1].argmax())  # the target's token after the path
+    assert kv.valid.shape == (1, 7)
+    for mine, theirs in zip(kv.cache.layers, reference.cache.layers):
+        torch.testing.assert_close(mine.keys, theirs.keys, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(mine.values, theirs.values, rtol=1e-5, atol=1e-5)
+
+
+def test_static_tree_puts_parents_first_and_spends_the_budget():
+    from pipeline.decode.tree import static_tree
+
+    tree = static_tree(12, num_heads=3)
+    assert len(tree) == 12 and tree[0] == (0,)
+    assert all(len(p) == 1 or p[:-1] in tree[: tree.index(p)] for p in tree)
+    assert max(map(len, tree)) <= 3
