@@ -199,6 +199,12 @@ class ExportConfig:
 
     dir: Optional[str] = None
     """Where to write the bundle (default runs/<run>/export); an existing bundle there is replaced."""
+    method: str = "draft_model"
+    """What to export: draft_model (runs/<run>/distill) or trained heads medusa, eagle or
+    early_exit (runs/<run>/heads/<kind>), each with the numbers eval measured for it."""
+
+    def __post_init__(self) -> None:
+        _check_choice("export.method", self.method, ("draft_model", "medusa", "eagle", "early_exit"))
 
 
 DRAFT_KINDS = ("new", "pretrained")
@@ -357,6 +363,9 @@ class HeadsConfig(TrainConfig):
     ttt_steps: int = 3
     """EAGLE: training-time test, the head also learns from 2..ttt_steps steps of its own
     predicted features, as it drafts (1: teacher-forced features only)."""
+    target_bf16: bool = False
+    """Run the frozen target's forward (its features and distributions) under bfloat16 autocast:
+    about twice as fast on a CPU with bf16 support, at bf16 rounding of what the heads learn from."""
     exit_layer: int = 8
     """early_exit: the draft is the target's first exit_layer layers plus the adapter."""
     adapter_rank: int = 256

@@ -130,11 +130,12 @@ def write_manifest(
     return path
 
 
-def read_manifest(folder: Path, stage: str, run: Optional[str] = None) -> dict[str, Any]:
-    """The manifest of a finished stage, or a PipelineError that says how to finish it."""
+def read_manifest(folder: Path, stage: str, run: Optional[str] = None, extra: str = "") -> dict[str, Any]:
+    """The manifest of a finished stage, or a PipelineError that says how to finish it
+    (`extra`: more of that command, e.g. heads=eagle)."""
     path = folder / MANIFEST
     if not path.is_file():
-        how = f"python -m pipeline stage={stage}" + (f" run={run}" if run else "")
+        how = f"python -m pipeline stage={stage}" + (f" {extra}" if extra else "") + (f" run={run}" if run else "")
         state = "is unfinished" if folder.is_dir() else "does not exist"
         raise PipelineError(f"{folder} {state} (no {MANIFEST}); run `{how}` first")
     try:

@@ -51,9 +51,10 @@ def load_draft(path: Path, target: Target) -> torch.nn.Module:
     return draft.to(target.device).eval()
 
 
-def find_drafts(cfg: Config, target: Target) -> tuple[dict[str, torch.nn.Module], dict[str, int]]:
+def find_drafts(cfg: Config, target: Target, heads: dict[str, torch.nn.Module]) -> tuple[dict[str, torch.nn.Module], dict[str, int]]:
     """The run's distilled draft (if its stage finished), eval.draft and eval.bundle, by method
-    name; and the num_draft_tokens a bundle was exported with, by method name."""
+    name; and the num_draft_tokens a bundle was exported with, by method name. A bundle of
+    heads joins `heads` (as `<kind>`, or `<kind>:bundle` when the run has its own)."""
     drafts, bundle_k = {}, {}
     distill = stage_dir(cfg.runs_dir, cfg.run, "distill")
     if (distill / MANIFEST).is_file():
@@ -66,8 +67,13 @@ def find_drafts(cfg: Config, target: Target) -> tuple[dict[str, torch.nn.Module]
         from pipeline.export import load_bundle
 
         bundle = load_bundle(cfg.eval.bundle, target)
-        name = "draft_model" if not drafts else "draft_model:bundle"
-        drafts[name], bundle_k[name] = bundle.draft, bundle.num_draft_tokens
+        if bundle.method == "draft_model":
+            name = "draft_model" if not drafts else "draft_model:bundle"
+            drafts[name] = bundle.draft
+        else:
+            name = bundle.method if bundle.method not in heads else f"{bundle.method}:bundle"
+            heads[name] = bundle.draft
+        bundle_k[name] = bundle.num_draft_tokens
         log.info("eval: bundle %s (target fingerprint and checksums verified), num_draft_tokens %d",
                  bundle.path, bundle.num_draft_tokens)
     return drafts, bundle_k
@@ -84,7 +90,7 @@ def find_heads(cfg: Config, target: Target) -> dict[str, torch.nn.Module]:
     for kind in HEAD_KINDS:
         folder = stage_dir(cfg.runs_dir, cfg.run, "heads") / kind
         if (folder / MANIFEST).is_file():
-            manifest = read_manifest(folder, "heads", cfg.run)
+            manifest = read_manifest(folder, "heads", cfg.run, extra=f"heads={kind}")
             if manifest.get("target_fingerprint") != target.fingerprint():
                 raise PipelineError(f"{folder} was trained on another target (fingerprint "
                                     f"{str(manifest.get('target_fingerprint'))[:12]}…); retrain it for this one")
@@ -155,11 +161,12 @@ def run(cfg: Config) -> Path:
     ev = cfg.eval
 
     target = load_target(**dataclasses.asdict(cfg.target))
-    drafts, bundle_k = find_drafts(cfg, target)
+    heads = find_heads(cfg, target)
+    run_heads = list(heads)
+    drafts, bundle_k = find_drafts(cfg, target, heads)
     tok = target.tokenizer
     data = load_chat_data(cfg.data, tok)
     convs = data.conversations[: ev.max_prompts]
-    heads = find_heads(cfg, target)
     hf_model, hf_drafts = prepare_for_decoding(target.model, drafts, layout=ev.decode_layout, compare_hf=ev.compare_hf,
                                                heads=heads)
     settings = Settings(model=target.model, tokenizer=tok, eos_ids=set(eos_token_ids(target.model, tok)),
@@ -169,9 +176,9 @@ def run(cfg: Config) -> Path:
     greedy = ev.temperature == 0
     num_turns = sum(min(len(c.user_turns), cfg.data.max_turns or 99) for c in convs)
     spec = (([("ngram", "ngram", None)] if ev.ngram else []) + [(n, "draft_model", d) for n, d in drafts.items()]
-            + [(kind, kind, module) for kind, module in heads.items()]
-            + [(f"{kind}_tree", f"{kind}_tree", module) for kind, module in heads.items()
-               if ev.trees and kind in ("medusa", "eagle")])
+            + [(name, module.kind, module) for name, module in heads.items()]
+            + [(f"{name.split(':')[0]}_tree{name[len(name.split(':')[0]):]}", f"{module.kind}_tree", module)
+               for name, module in heads.items() if ev.trees and module.kind in ("medusa", "eagle")])
     sweep_of = lambda drafter: ev.tree_budgets if drafter.endswith("_tree") else ev.sweep
     log.info("eval: %d conversations (%d turns) from %s; methods plain, hf_generate, %s",
              len(convs), num_turns, cfg.data.source, ", ".join(n for n, _, _ in spec) or "no drafters")
@@ -202,10 +209,10 @@ def run(cfg: Config) -> Path:
     verify_cost = {k: forward_seconds(target.model, k + 1) / one for k in ks}
     draft_cost = {name: forward_seconds(d, 1) / one for name, d in drafts.items()}
     draft_cost.update({name: heads_seconds(module, target.model) / one for name, module in heads.items()})
-    cost_of = lambda name: draft_cost.get(name.removesuffix("_tree"), 0.0)  # a tree's head: per draft step
+    cost_of = lambda name: draft_cost.get(name.replace("_tree", ""), 0.0)  # a tree's head: per draft step
 
     def predicted(name: str, m: Measurement, k: int) -> Optional[float]:
-        if name.endswith("_tree"):  # a tree's draft work is not k chain steps: no simple model
+        if "_tree" in name:  # a tree's draft work is not k chain steps: no simple model
             return None
         return predicted_speedup(m.acceptance_by_position, cost_of(name), verify_cost[k], m.proposal_rate)
 
@@ -288,7 +295,7 @@ def run(cfg: Config) -> Path:
     distill = stage_dir(cfg.runs_dir, cfg.run, "distill")
     if "draft_model" in drafts and (distill / MANIFEST).is_file():
         inputs["distill"] = {"manifest": str(distill / MANIFEST)}
-    for kind in heads:
+    for kind in run_heads:
         inputs[f"heads/{kind}"] = {"manifest": str(stage_dir(cfg.runs_dir, cfg.run, "heads") / kind / MANIFEST)}
     if ev.bundle:
         inputs["bundle"] = {"path": str(Path(ev.bundle).expanduser())}

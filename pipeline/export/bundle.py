@@ -3,9 +3,13 @@
 Layout (`runs/<run>/export/` or export.dir):
   bundle.json   method, num_draft_tokens, the target's name and fingerprint, tau and speedup
                 measured by eval, the training data and run, package versions, formats
-  draft/        the draft as a plain HF save_pretrained folder (safetensors, config.json,
-                tokenizer files): transformers' assistant_model=, a vLLM/SGLang draft model;
-                draft_vocab.safetensors beside it lets our decoder compute only its rows
+  draft/        (method draft_model) the draft as a plain HF save_pretrained folder
+                (safetensors, config.json, tokenizer files): transformers' assistant_model=, a
+                vLLM/SGLang draft model; draft_vocab.safetensors beside it lets our decoder
+                compute only its rows
+  heads/        (method medusa, eagle, early_exit) heads.safetensors + heads_config.json, the
+                trained weights and draft vocabulary; the rest is rebuilt from the target
+  medusa/       (method medusa) the Medusa-1 layout (export/formats.py)
   eval/         the eval report (report.json, report.md) and plots the numbers come from
   README.md     a model card written from the above
   SHA256SUMS    sha256 of every other file, in `sha256sum -c` format
@@ -29,6 +33,8 @@ from pipeline.runs import sha256_file
 BUNDLE_JSON = "bundle.json"
 CHECKSUMS = "SHA256SUMS"
 DRAFT_DIR = "draft"
+HEADS_DIR = "heads"
+HEAD_METHODS = ("medusa", "eagle", "early_exit")
 FORMAT_VERSION = 1
 
 
@@ -37,6 +43,11 @@ class Bundle:
     path: Path
     meta: dict[str, Any]
     draft: torch.nn.Module
+    """The draft model (method draft_model) or the head module (medusa, eagle, early_exit)."""
+
+    @property
+    def method(self) -> str:
+        return self.meta["method"]
 
     @property
     def num_draft_tokens(self) -> int:
@@ -89,8 +100,9 @@ def read_bundle_json(folder: Path) -> dict[str, Any]:
     if meta["format_version"] > FORMAT_VERSION:
         raise PipelineError(f"{path} has format_version {meta['format_version']}; this specdraft reads "
                             f"up to {FORMAT_VERSION}: upgrade specdraft")
-    if meta["method"] != "draft_model":
-        raise PipelineError(f"{path}: method {meta['method']!r} cannot be loaded by this specdraft (draft_model only)")
+    if meta["method"] not in ("draft_model", *HEAD_METHODS):
+        raise PipelineError(f"{path}: method {meta['method']!r} cannot be loaded by this specdraft "
+                            f"(draft_model, {', '.join(HEAD_METHODS)})")
     return meta
 
 
@@ -109,5 +121,8 @@ def load_bundle(path: str | Path, target: Target, fingerprint: Optional[str] = N
     if want != have:
         raise PipelineError(f"bundle {folder} was made for target {meta['target'].get('name')!r} (fingerprint "
                             f"{str(want)[:12]}…), not this one ({target.name!r}, {have[:12]}…)")
-    draft = load_draft(folder / DRAFT_DIR, target)
-    return Bundle(path=folder, meta=meta, draft=draft)
+    if meta["method"] in HEAD_METHODS:
+        from pipeline.heads.models import load_heads
+
+        return Bundle(path=folder, meta=meta, draft=load_heads(folder / HEADS_DIR, target.model))
+    return Bundle(path=folder, meta=meta, draft=load_draft(folder / DRAFT_DIR, target))

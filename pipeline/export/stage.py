@@ -1,11 +1,14 @@
-"""The export stage: write the run's distilled draft as a bundle (see bundle.py).
+"""The export stage: write the run's distilled draft, or its trained heads, as a bundle (see
+bundle.py).
 
-Inputs: `runs/<run>/distill/` (the draft) and `runs/<run>/eval/` (its measured tau and
-speedup, which the bundle records), both finished, both for the same target.
+Inputs: `runs/<run>/distill/` (export.method=draft_model) or `runs/<run>/heads/<kind>/`
+(export.method=medusa|eagle|early_exit), and `runs/<run>/eval/` (the measured tau and
+speedup, which the bundle records), all finished, all for the same target.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import shutil
@@ -15,19 +18,20 @@ from typing import Any, Optional
 
 from pipeline.config import Config
 from pipeline.errors import PipelineError
-from pipeline.export.bundle import BUNDLE_JSON, CHECKSUMS, DRAFT_DIR, FORMAT_VERSION, write_checksums
+from pipeline.export.bundle import BUNDLE_JSON, CHECKSUMS, DRAFT_DIR, FORMAT_VERSION, HEADS_DIR, write_checksums
+from pipeline.export.formats import MEDUSA_DIR, write_medusa
 from pipeline.runs import atomic_dir, package_versions, read_manifest, stage_dir
 
 log = logging.getLogger(__name__)
 STAGE = "export"
-METHOD = "draft_model"
 
 
-def _method_report(report: dict, eval_dir: Path) -> dict:
-    method = report.get("methods", {}).get(METHOD)
+def _method_report(report: dict, eval_dir: Path, name: str) -> dict:
+    method = report.get("methods", {}).get(name)
     if method is None:
-        raise PipelineError(f"{eval_dir / 'report.json'} has no {METHOD} method: run the eval stage after distill "
-                            "in the same run (it finds the draft in runs/<run>/distill)")
+        where = "runs/<run>/distill" if name == "draft_model" else f"runs/<run>/heads/{name}"
+        raise PipelineError(f"{eval_dir / 'report.json'} has no {name} method: run the eval stage after training "
+                            f"in the same run (it finds the draft in {where})")
     return method
 
 
@@ -45,16 +49,27 @@ def _data_summary(generate_dir: Path) -> Optional[dict]:
                 topk_logits=gen.get("save_topk_logits"))
 
 
-def bundle_meta(run: str, distill_manifest: dict, report: dict, method: dict, data: Optional[dict]) -> dict[str, Any]:
-    draft_cfg = distill_manifest.get("config", {}).get("draft", {})
-    metrics = distill_manifest.get("metrics", {})
+def bundle_meta(run: str, train_manifest: dict, report: dict, method: dict, data: Optional[dict],
+                name: str = "draft_model", formats: Optional[dict] = None) -> dict[str, Any]:
+    """bundle.json: `name` is draft_model (train_manifest: distill's) or a heads kind (heads')."""
+    metrics = train_manifest.get("metrics", {})
+    config = train_manifest.get("config", {})
+    if name == "draft_model":
+        draft_cfg = config.get("draft", {})
+        draft = dict(folder=DRAFT_DIR, kind=draft_cfg.get("kind"), num_layers=draft_cfg.get("num_layers"),
+                     init_layers=draft_cfg.get("init_layers"), draft_vocab_size=metrics.get("draft_vocab_size"))
+        loss = config.get("distill", {}).get("loss")
+    else:
+        heads_cfg = config.get("heads", {})
+        draft = dict(folder=HEADS_DIR, kind=name, draft_vocab_size=metrics.get("draft_vocab_size"),
+                     **{k: heads_cfg.get(k) for k in _HEAD_KEYS[name]})
+        loss = heads_cfg.get("loss")
     return {
         "format_version": FORMAT_VERSION,
-        "method": METHOD,
+        "method": name,
         "num_draft_tokens": method["num_draft_tokens"],
         "target": dict(name=report["target"]["name"], fingerprint=report["target"]["fingerprint"]),
-        "draft": dict(folder=DRAFT_DIR, kind=draft_cfg.get("kind"), num_layers=draft_cfg.get("num_layers"),
-                      init_layers=draft_cfg.get("init_layers"), draft_vocab_size=metrics.get("draft_vocab_size")),
+        "draft": draft,
         "measured": dict(
             dataset=report["dataset"], num_prompts=report["num_prompts"], num_turns=report["num_turns"],
             max_new_tokens=report["max_new_tokens"], temperature=report["temperature"], device=report["device"],
@@ -64,13 +79,41 @@ def bundle_meta(run: str, distill_manifest: dict, report: dict, method: dict, da
             speedup_vs_plain=method["speedup_vs_plain"], speedup_vs_hf=method.get("speedup_vs_hf"),
             draft_cost_ratio=method.get("draft_cost_ratio"), lossless=method.get("lossless"),
         ),
-        "training": dict(run=run, data=data, steps=metrics.get("steps"), loss=distill_manifest["config"]["distill"]["loss"],
+        "training": dict(run=run, data=data, steps=metrics.get("steps"), loss=loss,
                          heldout_alpha_start=metrics.get("heldout_alpha_start"),
                          heldout_alpha_end=metrics.get("heldout_alpha_end"), wall_time_s=metrics.get("wall_time_s")),
-        "formats": {"hf_draft": DRAFT_DIR},
+        "formats": formats or {"hf_draft": DRAFT_DIR},
         "package_versions": package_versions(),
         "created_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
+
+
+_HEAD_KEYS = {"medusa": ("medusa_num_heads", "medusa_num_layers"), "eagle": ("feature_layers", "ttt_steps"),
+              "early_exit": ("exit_layer", "adapter_rank")}
+_DESCRIBE = {"medusa": "Medusa heads", "eagle": "EAGLE head", "early_exit": "early-exit adapter"}
+
+
+def _describe(meta: dict) -> str:
+    d = meta["draft"]
+    if meta["method"] == "draft_model":
+        return f"{d['num_layers']}-layer {d['kind']} draft model"
+    return f"{_DESCRIBE[meta['method']]} on the target's own hidden states"
+
+
+def _use_lines(meta: dict) -> list[str]:
+    formats = meta["formats"]
+    if meta["method"] == "draft_model":
+        return [f"- `{DRAFT_DIR}/` is a plain transformers model folder (safetensors): "
+                f"`target.generate(..., assistant_model=AutoModelForCausalLM.from_pretrained('{DRAFT_DIR}'))`, or the "
+                "draft model of vLLM / SGLang speculative decoding with this target.",
+                f"- specdraft: `load_bundle(path, target)` or `stage=eval eval.bundle=<path>`; it also reads "
+                f"`{DRAFT_DIR}/draft_vocab.safetensors` (the tokens the draft proposes) when present."]
+    lines = [f"- specdraft: `load_bundle(path, target)` or `stage=eval eval.bundle=<path>` load `{HEADS_DIR}/` "
+             "(the trained weights and draft vocabulary; the rest is the target's own)."]
+    if "medusa" in formats:
+        lines.append(f"- `{formats['medusa']}/`: the Medusa-1 layout (`config.json` with `medusa_num_heads`, "
+                     "`medusa_num_layers`, `base_model_name_or_path`; `medusa_lm_head.safetensors`).")
+    return lines
 
 
 def model_card(meta: dict) -> str:
@@ -81,7 +124,7 @@ def model_card(meta: dict) -> str:
     return "\n".join([
         f"# Draft for {t['name']}",
         "",
-        f"A speculative-decoding draft ({d['num_layers']}-layer {d['kind']} draft model) distilled by specdraft "
+        f"A speculative-decoding draft ({_describe(meta)}) trained by specdraft "
         f"to match **{t['name']}** (fingerprint `{t['fingerprint'][:16]}`). Use it with that target only: "
         "`pipeline.export.load_bundle` refuses any other.",
         "",
@@ -108,11 +151,7 @@ def model_card(meta: dict) -> str:
         "",
         "## Use",
         "",
-        f"- `{DRAFT_DIR}/` is a plain transformers model folder (safetensors): "
-        f"`target.generate(..., assistant_model=AutoModelForCausalLM.from_pretrained('{DRAFT_DIR}'))`, or the draft "
-        "model of vLLM / SGLang speculative decoding with this target.",
-        f"- specdraft: `load_bundle(path, target)` or `stage=eval eval.bundle=<path>`; it also reads "
-        f"`{DRAFT_DIR}/draft_vocab.safetensors` (the tokens the draft proposes) when present.",
+        *_use_lines(meta),
         f"- `{CHECKSUMS}`: `sha256sum -c {CHECKSUMS}` checks every file.",
         "",
     ])
@@ -124,21 +163,40 @@ def _num(x: Optional[float]) -> str:
 
 def run(cfg: Config) -> Path:
     t0 = time.perf_counter()
-    distill_dir = stage_dir(cfg.runs_dir, cfg.run, "distill")
+    name = cfg.export.method
+    if name == "draft_model":
+        train_dir = stage_dir(cfg.runs_dir, cfg.run, "distill")
+        train_manifest = read_manifest(train_dir, "distill", cfg.run)
+    else:
+        train_dir = stage_dir(cfg.runs_dir, cfg.run, "heads") / name
+        train_manifest = read_manifest(train_dir, "heads", cfg.run, extra=f"heads={name}")
     eval_dir = stage_dir(cfg.runs_dir, cfg.run, "eval")
-    distill_manifest = read_manifest(distill_dir, "distill", cfg.run)
     read_manifest(eval_dir, "eval", cfg.run)
     report = json.loads((eval_dir / "report.json").read_text())
-    method = _method_report(report, eval_dir)
-    if distill_manifest["target_fingerprint"] != report["target"]["fingerprint"]:
-        raise PipelineError(f"{eval_dir} measured another target than the one {distill_dir} was distilled for; "
+    method = _method_report(report, eval_dir, name)
+    if train_manifest["target_fingerprint"] != report["target"]["fingerprint"]:
+        raise PipelineError(f"{eval_dir} measured another target than the one {train_dir} was trained for; "
                             f"run `python -m pipeline stage=eval run={cfg.run}` again")
-    meta = bundle_meta(cfg.run, distill_manifest, report, method,
-                       _data_summary(stage_dir(cfg.runs_dir, cfg.run, "generate")))
+    formats = {"hf_draft": DRAFT_DIR} if name == "draft_model" else {"specdraft_heads": HEADS_DIR}
+    if name == "medusa":
+        formats["medusa"] = MEDUSA_DIR
+    meta = bundle_meta(cfg.run, train_manifest, report, method,
+                       _data_summary(stage_dir(cfg.runs_dir, cfg.run, "generate")), name, formats)
 
     out = Path(cfg.export.dir).expanduser() if cfg.export.dir else stage_dir(cfg.runs_dir, cfg.run, STAGE)
     with atomic_dir(out) as tmp:
-        shutil.copytree(distill_dir / "checkpoint", tmp / DRAFT_DIR)
+        if name == "draft_model":
+            shutil.copytree(train_dir / "checkpoint", tmp / DRAFT_DIR)
+        else:
+            (tmp / HEADS_DIR).mkdir()
+            for f in ("heads.safetensors", "heads_config.json"):
+                shutil.copy2(train_dir / f, tmp / HEADS_DIR / f)
+        if name == "medusa":
+            from pipeline.heads.models import load_heads
+            from pipeline.models import load_target
+
+            target = load_target(**dataclasses.asdict(cfg.target))
+            write_medusa(load_heads(train_dir, target.model), target.model, target.name, tmp / MEDUSA_DIR)
         (tmp / "eval").mkdir()
         for f in sorted(eval_dir.iterdir()):
             if f.is_file() and (f.suffix == ".png" or f.name in ("report.json", "report.md")):
@@ -150,6 +208,6 @@ def run(cfg: Config) -> Path:
     log.info("export: bundle written in %.1fs", time.perf_counter() - t0)
     print(f"export: bundle -> {out}")
     print(f"  {'method':<12} {'k':>3} {'tau':>6} {'tok/s':>8} {'vs plain':>9} {'draft cost':>11}")
-    print(f"  {METHOD:<12} {meta['num_draft_tokens']:>3} {m['tau']:>6.2f} {m['tokens_per_s']:>8.2f} "
+    print(f"  {name:<12} {meta['num_draft_tokens']:>3} {m['tau']:>6.2f} {m['tokens_per_s']:>8.2f} "
           f"{m['speedup_vs_plain']:>8.2f}x {m['draft_cost_ratio'] or 0:>11.3f}")
     return out

@@ -158,7 +158,7 @@ def run(cfg: Config) -> Path:
 
     world, rank = accelerator.num_processes, accelerator.process_index
     global_batch = hc.batch_size * world * hc.grad_accum
-    layers = heads.feature_layers
+    layers, vocab_ids = heads.feature_layers, heads.draft_to_target
     if main:
         log.info("heads: %s, %d train / %d held-out conversations (%d skipped), loss %s, %s trainable "
                  "parameters, draft vocabulary %d (held-out coverage %s), global batch %d x %d steps, "
@@ -177,7 +177,7 @@ def run(cfg: Config) -> Path:
         tally = Tally()
         for start in range(0, len(heldout), hc.batch_size):
             batch = collate(heldout[start : start + hc.batch_size], pad_id, False).to(accelerator.device)
-            tally.add(model(target_view(target_model, batch, layers), batch))
+            tally.add(model(target_view(target_model, batch, layers, vocab_ids), batch))  # fp32: as eval sees it
         model.train()
         return tally.means()
 
@@ -190,7 +190,7 @@ def run(cfg: Config) -> Path:
         losses = []
         for micro in micro_batches(indices, hc.batch_size, rank, world):
             batch = collate([train[i] for i in micro], pad_id, False).to(accelerator.device)
-            view = target_view(target_model, batch, layers)
+            view = target_view(target_model, batch, layers, vocab_ids, hc.target_bf16)
             with accelerator.accumulate(model):
                 loss = model(view, batch).loss
                 accelerator.backward(loss)

@@ -20,12 +20,20 @@ from pipeline.distill.losses import Teacher, distill_loss
 
 @dataclass
 class TargetView:
-    """One frozen target pass over a batch."""
+    """One frozen target pass over a batch; its distributions at the batch's learned positions
+    (batch.rows, batch.cols), computed once for every head and step that learns from them."""
 
     hidden: dict[int, torch.Tensor]
     """output_hidden_states index -> [B, T, H] (the last index is after the final norm)."""
-    teacher: torch.Tensor
-    """[N, V] the target's logits at the batch's learned positions (batch.rows, batch.cols)."""
+    logits: torch.Tensor
+    """[N, V_draft] the target's logits at the draft vocabulary's tokens."""
+    probs: torch.Tensor
+    """[N, V_draft] the target's probabilities (over its full vocabulary) of those tokens."""
+    top: torch.Tensor
+    """[N] the target's own argmax token."""
+
+    def at(self, index: torch.Tensor) -> "TargetView":
+        return TargetView(self.hidden, self.logits[index], self.probs[index], self.top[index])
 
 
 @dataclass
@@ -37,24 +45,30 @@ class Terms:
 
 
 @torch.no_grad()
-def target_view(target: nn.Module, batch: Batch, layers: tuple[int, ...]) -> TargetView:
+def target_view(target: nn.Module, batch: Batch, layers: tuple[int, ...], draft_to_target: torch.Tensor,
+                bf16: bool = False) -> TargetView:
+    """The target's hidden states `layers` and its distributions at the learned positions; with
+    bf16 its forward runs under bfloat16 autocast (on CPU about twice as fast)."""
     last = target.config.num_hidden_layers
     wanted = sorted(set(layers) | {last})
-    out = target.get_decoder()(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False,
-                               output_hidden_states=wanted)
-    hidden = {i: out.hidden_states[i] for i in wanted}
-    teacher = target.get_output_embeddings()(hidden[last][batch.rows, batch.cols]).float()
-    return TargetView(hidden, teacher)
+    device_type = batch.input_ids.device.type
+    with torch.autocast(device_type, dtype=torch.bfloat16, enabled=bf16):
+        out = target.get_decoder()(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False,
+                                   output_hidden_states=wanted)
+        logits = target.get_output_embeddings()(out.hidden_states[last][batch.rows, batch.cols])
+    dtype = next(target.parameters()).dtype
+    hidden = {i: out.hidden_states[i].to(dtype) for i in wanted}
+    logits = logits.float()
+    return TargetView(hidden, logits[:, draft_to_target], torch.softmax(logits, dim=-1)[:, draft_to_target],
+                      logits.argmax(dim=-1))
 
 
-def score(student: torch.Tensor, teacher: torch.Tensor, draft_to_target: torch.Tensor, loss: str):
-    """(loss, α [N], top-1 agreement [N]) of draft-vocabulary logits [N, V_d] against the target's [N, V]."""
-    value = distill_loss(loss, student, Teacher(teacher[:, draft_to_target]), None)
+def score(student: torch.Tensor, view: TargetView, draft_to_target: torch.Tensor, loss: str):
+    """(loss, α [N], top-1 agreement [N]) of draft-vocabulary logits [N, V_d] against the target."""
+    value = distill_loss(loss, student, Teacher(view.logits), None)
     with torch.no_grad():
-        q = torch.softmax(student.float(), dim=-1)
-        p = torch.softmax(teacher, dim=-1)[:, draft_to_target]
-        alpha = torch.minimum(p, q).sum(-1)
-        top1 = (draft_to_target[student.argmax(-1)] == teacher.argmax(-1)).float()
+        alpha = torch.minimum(view.probs, torch.softmax(student.float(), dim=-1)).sum(-1)
+        top1 = (draft_to_target[student.argmax(-1)] == view.top).float()
     return value, alpha, top1
 
 
@@ -63,7 +77,7 @@ def medusa_terms(heads, view: TargetView, batch: Batch, loss: str, decay: float)
     at c + i + 1, where that position is learned too."""
     final = view.hidden[max(view.hidden)]
     b, t = batch.input_ids.shape
-    index = torch.full((b, t), -1, dtype=torch.long, device=final.device)  # learned position -> row of view.teacher
+    index = torch.full((b, t), -1, dtype=torch.long, device=final.device)  # learned position -> row of the view's distributions
     index[batch.rows, batch.cols] = torch.arange(len(batch.rows), device=final.device)
     terms, total, weights = Terms(loss=final.new_zeros(())), 0.0, 0.0
     for i, block in enumerate(heads.blocks):
@@ -75,7 +89,7 @@ def medusa_terms(heads, view: TargetView, batch: Batch, loss: str, decay: float)
             terms.top1.append(final.new_zeros(0))
             continue
         student = heads.lm_head(block(final[batch.rows[ok], batch.cols[ok]]))
-        value, alpha, top1 = score(student, view.teacher[teacher_row[ok]], heads.draft_to_target, loss)
+        value, alpha, top1 = score(student, view.at(teacher_row[ok]), heads.draft_to_target, loss)
         total, weights = total + decay ** i * value, weights + decay ** i
         terms.alpha.append(alpha)
         terms.top1.append(top1)
@@ -115,7 +129,7 @@ def eagle_terms(head, view: TargetView, batch: Batch, loss: str, steps: int) -> 
         hidden = head.features_out(next_ids, feats, attention_mask=ttt_mask(valid, step, feats.dtype),
                                    position_ids=positions, cache=cache, use_cache=True)
         ok = batch.cols >= step  # the chain starts at t - step + 1 >= 0
-        value, alpha, top1 = score(head.logits(hidden[batch.rows[ok], batch.cols[ok] - 1]), view.teacher[ok],
+        value, alpha, top1 = score(head.logits(hidden[batch.rows[ok], batch.cols[ok] - 1]), view.at(ok),
                                    head.draft_to_target, loss)
         total = total + value
         terms.alpha.append(alpha)
@@ -130,7 +144,7 @@ def early_exit_terms(adapter, view: TargetView, batch: Batch, loss: str, target_
     against the target's distribution at the same position."""
     hidden = view.hidden[adapter.feature_layers[0]][batch.rows, batch.cols]
     student = adapter.lm_head(target_norm(adapter(hidden)))
-    value, alpha, top1 = score(student, view.teacher, adapter.draft_to_target, loss)
+    value, alpha, top1 = score(student, view, adapter.draft_to_target, loss)
     return Terms(value, [alpha], [top1])
 
 

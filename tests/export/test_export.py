@@ -145,3 +145,53 @@ def test_hf_assisted_generation_with_the_exported_draft_equals_plain_greedy(expo
         assisted = target.generate(ids, max_new_tokens=16, do_sample=False, assistant_model=draft,
                                    num_assistant_tokens=3, num_assistant_tokens_schedule="constant")
     assert assisted.tolist() == plain.tolist()
+
+
+def test_heads_export_medusa_format_and_eval_from_the_bundle(tiny_target_dir, tmp_path):
+    """generate -> heads (medusa) -> eval -> export.method=medusa: our heads folder, the Medusa-1
+    layout with its keys and shapes, and eval from the bundle reproduces the heads' tau."""
+    from safetensors.torch import load_file
+
+    from pipeline.heads import stage as heads_stage
+
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"id": f"p{i}", "prompt": f"tell me about number {i}"} for i in range(8)])
+    base = common(tiny_target_dir, tmp_path)
+    data.run(compose_config(*base, "data=file", f"data.path={prompts}", "data.split=all", "generate.max_new_tokens=12"))
+    heads_stage.run(compose_config(*base, "heads=medusa", "heads.medusa_num_heads=3", "heads.medusa_num_layers=2",
+                                   "heads.draft_vocab_size=48", "heads.batch_size=2", "heads.max_steps=3",
+                                   stage="heads"))
+    evaluation.run(compose_config(*base, *eval_overrides(prompts, "eval.ngram=false", "eval.trees=false"), stage="eval"))
+    with pytest.raises(PipelineError, match="heads/eagle does not exist.*stage=heads heads=eagle run=x"):
+        export.run(compose_config(*base, "export.method=eagle", stage="export"))
+    out = export.run(compose_config(*base, "export.method=medusa", stage="export"))
+    meta = json.loads((out / "bundle.json").read_text())
+    assert meta["method"] == "medusa" and meta["formats"] == {"specdraft_heads": "heads", "medusa": "medusa"}
+    assert meta["draft"]["medusa_num_heads"] == 3 and meta["draft"]["draft_vocab_size"] == 48
+    for name in ("heads/heads.safetensors", "heads/heads_config.json", "medusa/config.json",
+                 "medusa/medusa_lm_head.safetensors", "README.md", "SHA256SUMS"):
+        assert (out / name).is_file(), name
+    config = json.loads((out / "medusa/config.json").read_text())
+    target = load_target(str(tiny_target_dir), device="cpu")
+    hidden, vocab = target.model.config.hidden_size, target.model.config.vocab_size
+    assert config["medusa_num_heads"] == 3 and config["medusa_num_layers"] == 2
+    assert config["base_model_name_or_path"] == target.name
+    weights = load_file(out / "medusa/medusa_lm_head.safetensors")
+    want = {}
+    for i in range(3):
+        for j in range(2):
+            want[f"medusa_head.{i}.{j}.linear.weight"] = (hidden, hidden)
+            want[f"medusa_head.{i}.{j}.linear.bias"] = (hidden,)
+        want[f"medusa_head.{i}.2.weight"] = (vocab, hidden)
+    assert {k: tuple(v.shape) for k, v in weights.items()} == want
+    trained = load_file(tmp_path / "x/heads/medusa/heads.safetensors")
+    torch.testing.assert_close(weights["medusa_head.1.0.linear.weight"], trained["blocks.1.0.linear.weight"])
+    torch.testing.assert_close(weights["medusa_head.0.2.weight"], target.model.lm_head.weight.detach())
+
+    bundle = load_bundle(out, target)
+    assert bundle.method == "medusa" and bundle.num_draft_tokens == meta["num_draft_tokens"]
+    again = evaluation.run(compose_config(*common(tiny_target_dir, tmp_path, run="y"), f"eval.bundle={out}",
+                                          *eval_overrides(prompts, "eval.ngram=false", "eval.trees=false"),
+                                          stage="eval"))
+    report = json.loads((again / "report.json").read_text())
+    assert report["methods"]["medusa"]["tau"] == meta["measured"]["tau"]
+    assert report["methods"]["medusa"]["num_draft_tokens_mode"] == "bundle"

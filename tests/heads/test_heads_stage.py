@@ -160,7 +160,7 @@ def test_eagle_training_steps_equal_drafting_step_by_step(tiny_target_dir, gener
         for p in head.parameters():
             if p.requires_grad:
                 p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(5)) * 0.2)
-    view = target_view(target.model, batch, head.feature_layers)
+    view = target_view(target.model, batch, head.feature_layers, head.draft_to_target)
     captured = []
     real_logits = head.logits
     head.logits = lambda hidden: captured.append(real_logits(hidden)) or captured[-1]
