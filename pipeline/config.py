@@ -363,6 +363,12 @@ class HeadsConfig(TrainConfig):
     ttt_steps: int = 3
     """EAGLE: training-time test, the head also learns from 2..ttt_steps steps of its own
     predicted features, as it drafts (1: teacher-forced features only)."""
+    features: str = "online"
+    """online: the frozen target runs in the training loop; offline: its hidden states are first
+    cached to disk in fp16 shards (runs/<run>/heads/features/, resumable, the disk cost printed
+    first), after which a step costs only the heads -- for more than one epoch."""
+    cache_shard_size: int = 64
+    """Sequences per feature-cache shard (heads.features=offline)."""
     target_bf16: bool = False
     """Run the frozen target's forward (its features and distributions) under bfloat16 autocast:
     about twice as fast on a CPU with bf16 support, at bf16 rounding of what the heads learn from."""
@@ -375,7 +381,9 @@ class HeadsConfig(TrainConfig):
         self._check_training("heads")
         _check_choice("heads.kind", self.kind, HEAD_KINDS)
         _check_choice("heads.loss", self.loss, ("forward_kl", "reverse_kl", "jsd", "tv"))
-        for name in ("medusa_num_heads", "medusa_num_layers", "ttt_steps", "exit_layer", "adapter_rank"):
+        _check_choice("heads.features", self.features, ("online", "offline"))
+        for name in ("medusa_num_heads", "medusa_num_layers", "ttt_steps", "exit_layer", "adapter_rank",
+                     "cache_shard_size"):
             _check_positive(f"heads.{name}", getattr(self, name))
         if self.draft_vocab_size < 0:
             raise ValueError(f"heads.draft_vocab_size must be >= 0, got {self.draft_vocab_size}")

@@ -33,7 +33,8 @@ from pipeline.distill.draft import frequent_tokens
 from pipeline.distill.stage import answer_tokens, load_state, lr_lambda, make_accelerator, save_state
 from pipeline.errors import PipelineError
 from pipeline.heads.models import build_heads, feature_indices, own_state, save_heads
-from pipeline.heads.train import HeadsForTraining, Terms, target_view
+from pipeline.heads.cache import FeatureCache, cache_dir
+from pipeline.heads.train import HeadsForTraining, Terms, target_layers, target_view, view_from_hidden
 from pipeline.models import load_target
 from pipeline.runs import MANIFEST, atomic_dir, hash_tree, read_manifest, stage_dir, write_manifest
 from pipeline.tracking import start_tracker
@@ -58,7 +59,7 @@ def heads_dir(cfg: Config, kind: Optional[str] = None) -> Path:
 
 def plan_key(cfg: Config, gen_manifest: dict) -> str:
     settings = dataclasses.asdict(cfg.heads)
-    for free in ("resume", "eval_every", "save_every", "max_eval_sequences"):
+    for free in ("resume", "eval_every", "save_every", "max_eval_sequences", "cache_shard_size"):
         settings.pop(free)
     key = dict(heads=settings, seed=cfg.seed, data=gen_manifest.get("outputs"),
                target=gen_manifest.get("target_fingerprint"))
@@ -181,6 +182,17 @@ def run(cfg: Config) -> Path:
         model.train()
         return tally.means()
 
+    cache = None
+    if hc.features == "offline":
+        layers_needed = target_layers(target_model, layers)
+        data_key = json.dumps(gen_manifest.get("outputs"), sort_keys=True) + f"/heldout={hc.eval_fraction}"
+        cache = FeatureCache(cache_dir(stage_dir(cfg.runs_dir, cfg.run, STAGE), fingerprint, layers_needed, data_key,
+                                       hc.max_length, hc.target_bf16),
+                             layers_needed, target_model.config.hidden_size, hc.cache_shard_size)
+        if main:
+            cache.build(target_model, train, pad_id, hc.batch_size, hc.target_bf16)
+        accelerator.wait_for_everyone()
+
     start_eval = evaluate() if start_step == 0 else {}
     bar = tqdm(total=hc.max_steps, initial=start_step, desc=f"heads ({hc.kind})", unit="step", disable=not main,
                dynamic_ncols=True)
@@ -190,7 +202,10 @@ def run(cfg: Config) -> Path:
         losses = []
         for micro in micro_batches(indices, hc.batch_size, rank, world):
             batch = collate([train[i] for i in micro], pad_id, False).to(accelerator.device)
-            view = target_view(target_model, batch, layers, vocab_ids, hc.target_bf16)
+            if cache is not None:
+                view = view_from_hidden(target_model, cache.hidden(micro, batch), batch, vocab_ids, hc.target_bf16)
+            else:
+                view = target_view(target_model, batch, layers, vocab_ids, hc.target_bf16)
             with accelerator.accumulate(model):
                 loss = model(view, batch).loss
                 accelerator.backward(loss)
@@ -233,7 +248,7 @@ def run(cfg: Config) -> Path:
     unwrapped = accelerator.unwrap_model(model).draft
     if main:
         train_s = time.perf_counter() - t_start
-        metrics = dict(kind=hc.kind, final_loss=last_loss, steps=hc.max_steps, trainable_parameters=num_trainable,
+        metrics = dict(kind=hc.kind, features=hc.features, final_loss=last_loss, steps=hc.max_steps, trainable_parameters=num_trainable,
                        processes=world, distributed=accelerator.distributed_type.name,
                        train_conversations=len(train), heldout_conversations=len(heldout), skipped_records=skipped,
                        wall_time_s=train_s, draft_vocab_size=len(draft_vocab), draft_vocab_heldout_coverage=coverage,

@@ -44,23 +44,30 @@ class Terms:
     top1: list[torch.Tensor] = field(default_factory=list)
 
 
+def target_layers(target: nn.Module, layers: tuple[int, ...]) -> list[int]:
+    """The hidden states a head learns from: its own layers and the last (the teacher's)."""
+    return sorted(set(layers) | {target.config.num_hidden_layers})
+
+
 @torch.no_grad()
-def target_view(target: nn.Module, batch: Batch, layers: tuple[int, ...], draft_to_target: torch.Tensor,
-                bf16: bool = False) -> TargetView:
-    """The target's hidden states `layers` and its distributions at the learned positions; with
-    bf16 its forward runs under bfloat16 autocast (on CPU about twice as fast)."""
-    last = target.config.num_hidden_layers
-    wanted = sorted(set(layers) | {last})
-    device_type = batch.input_ids.device.type
-    with torch.autocast(device_type, dtype=torch.bfloat16, enabled=bf16):
-        out = target.get_decoder()(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False,
-                                   output_hidden_states=wanted)
-        logits = target.get_output_embeddings()(out.hidden_states[last][batch.rows, batch.cols])
-    dtype = next(target.parameters()).dtype
-    hidden = {i: out.hidden_states[i].to(dtype) for i in wanted}
-    logits = logits.float()
+def view_from_hidden(target: nn.Module, hidden: dict[int, torch.Tensor], batch: Batch,
+                     draft_to_target: torch.Tensor, bf16: bool = False) -> TargetView:
+    """The target's distributions at the learned positions, from its last hidden state."""
+    last = hidden[target.config.num_hidden_layers][batch.rows, batch.cols]
+    with torch.autocast(last.device.type, dtype=torch.bfloat16, enabled=bf16):
+        logits = target.get_output_embeddings()(last).float()
     return TargetView(hidden, logits[:, draft_to_target], torch.softmax(logits, dim=-1)[:, draft_to_target],
                       logits.argmax(dim=-1))
+
+
+def target_view(target: nn.Module, batch: Batch, layers: tuple[int, ...], draft_to_target: torch.Tensor,
+                bf16: bool = False) -> TargetView:
+    """One frozen target pass (online features); with bf16 under bfloat16 autocast (on CPU about
+    twice as fast)."""
+    from pipeline.heads.cache import run_target
+
+    hidden = run_target(target, batch, target_layers(target, layers), bf16)
+    return view_from_hidden(target, hidden, batch, draft_to_target, bf16)
 
 
 def score(student: torch.Tensor, view: TargetView, draft_to_target: torch.Tensor, loss: str):

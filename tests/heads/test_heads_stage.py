@@ -180,3 +180,26 @@ def test_eagle_training_steps_equal_drafting_step_by_step(tiny_target_dir, gener
                     h = head.features_out(ids[None, 1 : start + s + 1], torch.cat([feats[:, : start + 1], chain], 1))
                     chain = torch.cat([chain, h[:, -1:]], dim=1)
                 torch.testing.assert_close(head.logits(chain[0, -1]), captured[step - 1][j], rtol=1e-4, atol=1e-4)
+
+
+def test_offline_features_train_like_online_and_resume_by_shard(tiny_target_dir, generated, tmp_path, capsys):
+    online = heads_stage.run(compose_config(*overrides(tiny_target_dir, fresh_run(generated, tmp_path / "a"), "eagle"),
+                                            stage="heads"))
+    runs = fresh_run(generated, tmp_path / "b")
+    offline = heads_stage.run(compose_config(*overrides(tiny_target_dir, runs, "eagle", "heads.features=offline",
+                                                        "heads.cache_shard_size=4"), stage="heads"))
+    printed = capsys.readouterr().out
+    assert "caching target features" in printed and "GiB on disk" in printed
+    shards = sorted((runs / "h/heads/features").glob("*/shard-*.safetensors"))
+    assert len(shards) == 3 and json.loads((offline / "manifest.json").read_text())["metrics"]["features"] == "offline"
+    # fp16 features: the same training within fp16 rounding.
+    a, b = load_file(online / "heads.safetensors"), load_file(offline / "heads.safetensors")
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=0.05, atol=2e-3)
+    # A missing shard (a killed caching run) is computed again; the others are reused.
+    stamp = {p: p.stat().st_mtime_ns for p in shards}
+    shards[0].unlink()
+    heads_stage.run(compose_config(*overrides(tiny_target_dir, runs, "eagle", "heads.features=offline",
+                                              "heads.cache_shard_size=4", "heads.resume=false"), stage="heads"))
+    assert shards[0].is_file() and all(p.stat().st_mtime_ns == t for p, t in stamp.items() if p != shards[0])
+    assert f"{len(shards) - 1} of {len(shards)} shards already there" in capsys.readouterr().out

@@ -1,0 +1,102 @@
+"""Offline target features for the heads stage: the frozen target's hidden states, computed
+once and cached to disk in fp16 shards, so every later epoch costs only the heads.
+
+`runs/<run>/heads/features/<key>/` holds `shard-NNNNN.safetensors` (one tensor per example,
+[T, n_layers * H] fp16, named by the example's index) and `meta.json`. The key hashes what
+decides the values: target, layers, data, max_length, bf16. Each shard is written
+atomically and never redone, so a killed caching run resumes where it stopped. The disk it
+will take is printed before it starts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from pipeline.distill.data import Batch, Example, collate
+from pipeline.runs import atomic_write_json
+
+log = logging.getLogger(__name__)
+SHARD = "shard-{:05d}.safetensors"
+
+
+def cache_dir(heads_root: Path, fingerprint: str, layers: list[int], data_key: str, max_length: int,
+              bf16: bool) -> Path:
+    key = json.dumps(dict(target=fingerprint, layers=layers, data=data_key, max_length=max_length, bf16=bf16),
+                     sort_keys=True)
+    return heads_root / "features" / hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+class FeatureCache:
+    """Cached hidden states of `layers` (output_hidden_states indices) for a list of examples."""
+
+    def __init__(self, folder: Path, layers: list[int], hidden_size: int, shard_size: int) -> None:
+        self.folder, self.layers, self.hidden_size, self.shard_size = folder, layers, hidden_size, shard_size
+        self._open: dict[int, object] = {}
+
+    def shard_path(self, shard: int) -> Path:
+        return self.folder / SHARD.format(shard)
+
+    def build(self, target: torch.nn.Module, examples: list[Example], pad_id: int, batch_size: int,
+              bf16: bool) -> None:
+        """Compute and write every missing shard (the main process only)."""
+        from safetensors.torch import save_file
+
+        self.folder.mkdir(parents=True, exist_ok=True)
+        shards = range((len(examples) + self.shard_size - 1) // self.shard_size)
+        todo = [s for s in shards if not self.shard_path(s).is_file()]
+        tokens = sum(len(ex.input_ids) for ex in examples)
+        gib = tokens * len(self.layers) * self.hidden_size * 2 / 2**30
+        print(f"heads: caching target features of {len(examples)} sequences ({tokens:,} tokens, layers "
+              f"{self.layers}) in fp16: {gib:.2f} GiB on disk in {self.folder}"
+              + (f"; {len(shards) - len(todo)} of {len(shards)} shards already there" if len(todo) < len(shards) else ""))
+        atomic_write_json(self.folder / "meta.json", dict(layers=self.layers, hidden_size=self.hidden_size,
+                                                           shard_size=self.shard_size, sequences=len(examples),
+                                                           tokens=tokens, bytes=int(gib * 2**30)))
+        device = next(target.parameters()).device
+        with tqdm(total=len(todo) * self.shard_size, desc="cache features", unit="seq", dynamic_ncols=True) as bar:
+            for shard in todo:
+                chosen = list(range(shard * self.shard_size, min((shard + 1) * self.shard_size, len(examples))))
+                tensors = {}
+                for start in range(0, len(chosen), batch_size):
+                    part = chosen[start : start + batch_size]
+                    batch = collate([examples[i] for i in part], pad_id, False).to(device)
+                    hidden = run_target(target, batch, self.layers, bf16)
+                    joined = torch.cat([hidden[i] for i in self.layers], dim=-1).to(torch.float16).cpu()
+                    for row, i in enumerate(part):
+                        tensors[str(i)] = joined[row, : len(examples[i].input_ids)].contiguous()
+                    bar.update(len(part))
+                tmp = self.shard_path(shard).with_suffix(".tmp")
+                save_file(tensors, str(tmp))
+                tmp.replace(self.shard_path(shard))  # a shard is there whole or not at all
+
+    def hidden(self, indices: list[int], batch: Batch) -> dict[int, torch.Tensor]:
+        """The cached hidden states of examples `indices`, padded like `batch`: layer -> [B, T, H]."""
+        from safetensors import safe_open
+
+        b, t = batch.input_ids.shape
+        out = torch.zeros((b, t, len(self.layers) * self.hidden_size), dtype=torch.float32)
+        for row, i in enumerate(indices):
+            shard = i // self.shard_size
+            if shard not in self._open:
+                self._open[shard] = safe_open(str(self.shard_path(shard)), framework="pt")
+            value = self._open[shard].get_tensor(str(i))
+            out[row, : value.shape[0]] = value.float()
+        out = out.to(batch.input_ids.device)
+        h = self.hidden_size
+        return {layer: out[..., j * h : (j + 1) * h] for j, layer in enumerate(self.layers)}
+
+
+@torch.no_grad()
+def run_target(target: torch.nn.Module, batch: Batch, layers: list[int], bf16: bool) -> dict[int, torch.Tensor]:
+    """The frozen target's hidden states `layers` on a batch (bf16 autocast if asked)."""
+    with torch.autocast(batch.input_ids.device.type, dtype=torch.bfloat16, enabled=bf16):
+        out = target.get_decoder()(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False,
+                                   output_hidden_states=list(layers))
+    dtype = next(target.parameters()).dtype
+    return {i: out.hidden_states[i].to(dtype) for i in layers}
