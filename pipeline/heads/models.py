@@ -29,6 +29,15 @@ HEADS_FILE = "heads.safetensors"
 CONFIG_FILE = "heads_config.json"
 
 
+def _fresh_norm(norm: nn.Module) -> nn.Module:
+    """A new norm of the target's kind (RMSNorm), weight 1, trainable."""
+    fresh = copy.deepcopy(norm)
+    with torch.no_grad():
+        fresh.weight.fill_(1.0)
+    fresh.weight.requires_grad_(True)
+    return fresh
+
+
 def _vocab_head(target: nn.Module, draft_to_target: torch.Tensor, trainable: bool) -> nn.Linear:
     """A Linear over the target's LM-head rows of the draft vocabulary (a copy)."""
     weight = target.get_output_embeddings().weight.detach()[draft_to_target.to(target.device)].clone()
@@ -97,7 +106,12 @@ class EagleHead(nn.Module):
     """EAGLE: one decoder layer (the target's architecture) reading, at position t, the fused
     target features of t and the embedding of token t+1; it predicts token t+2 and a feature
     for position t+1, which drafting feeds back in place of the target's (EAGLE-3 style: low,
-    middle and high layer features fused by `fc`)."""
+    middle and high layer features fused by `fc`).
+
+    Every input is RMS-normalised first (each target layer's features, the fused or fed-back
+    feature, the embedding), as EAGLE-3 normalises the hidden state and the embedding: the
+    target's middle layers carry massive activations (on the embedded target a token's
+    features reach 10^4 where the embeddings are ~0.1), which unnormalised would swamp fc."""
 
     kind = "eagle"
 
@@ -116,6 +130,9 @@ class EagleHead(nn.Module):
         dtype = next(target.parameters()).dtype
         self.fc = nn.Linear(len(feature_layers) * size, size, bias=False, dtype=dtype)
         self.in_proj = nn.Linear(2 * size, size, bias=False, dtype=dtype)
+        norm = target.get_decoder().norm
+        self.layer_norms = nn.ModuleList(_fresh_norm(norm) for _ in feature_layers)
+        self.feature_norm, self.embed_norm = _fresh_norm(norm), _fresh_norm(norm)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)  # the head starts the same in every run
             self.fc.reset_parameters()
@@ -125,7 +142,7 @@ class EagleHead(nn.Module):
         self.decoder.layers[0].load_state_dict(target.get_decoder().layers[-1].state_dict())
         self.decoder.norm = nn.Identity()  # the raw output is the next feature; self.norm feeds the head
         self.decoder.get_input_embeddings().requires_grad_(False)  # unused (1 row): inputs_embeds come in
-        self.norm = copy.deepcopy(target.get_decoder().norm)
+        self.norm = copy.deepcopy(target.get_decoder().norm).requires_grad_(True)  # starts as the target's
         self.lm_head = _vocab_head(target, draft_to_target, trainable=True)
         self.embed_tokens = target.get_input_embeddings()  # borrowed, frozen, not saved
         self.register_buffer("draft_to_target", draft_to_target.clone(), persistent=False)
@@ -135,7 +152,8 @@ class EagleHead(nn.Module):
 
     def fuse(self, target_features: torch.Tensor) -> torch.Tensor:
         """[..., n_layers * H] concatenated target features -> [..., H]."""
-        return self.fc(target_features)
+        parts = target_features.chunk(len(self.layer_norms), dim=-1)
+        return self.fc(torch.cat([norm(part) for norm, part in zip(self.layer_norms, parts)], dim=-1))
 
     def features_out(self, input_ids: torch.Tensor, features: torch.Tensor, attention_mask=None, position_ids=None,
                      cache=None, use_cache: bool = False) -> torch.Tensor:
@@ -143,7 +161,7 @@ class EagleHead(nn.Module):
         and features [B, S, H] (fused target features, or its own fed back)."""
         with torch.no_grad():
             embeds = self.embed_tokens(input_ids)
-        x = self.in_proj(torch.cat([embeds.to(features.dtype), features], dim=-1))
+        x = self.in_proj(torch.cat([self.embed_norm(embeds.to(features.dtype)), self.feature_norm(features)], dim=-1))
         return self.decoder(inputs_embeds=x, attention_mask=attention_mask, position_ids=position_ids,
                             cache=cache, use_cache=use_cache).last_hidden_state
 
