@@ -9,7 +9,7 @@ from pipeline.__main__ import CONF_DIR, STAGES
 from conftest import compose_config
 from pipeline.config import Config, to_config
 
-GROUPS = ["target", "data", "draft", "logger", "stage", "experiment"]
+GROUPS = ["target", "data", "draft", "heads", "logger", "stage", "experiment"]
 # Options whose mandatory value (???) the user must give on the command line.
 REQUIRED = {
     "target=hf": ["target.name_or_path=some/model"],
