@@ -6,7 +6,7 @@ NUM_PROCESSES ?= 2
 # Extra Hydra overrides for the pipeline targets, e.g. make demo ARGS="generate.batch_size=32"
 ARGS ?=
 
-.PHONY: setup demo test test-fast bench bench-generate generate-multi distill-multi clean
+.PHONY: setup demo test test-fast check-speculators bench bench-generate generate-multi distill-multi clean
 
 setup: $(VENV)/.installed
 
@@ -30,6 +30,9 @@ test-fast: setup
 	$(PY) -m pytest -q -m "not slow"
 
 # Our decoder vs HF generate / prompt lookup / assisted generation, same prompts and drafts.
+check-speculators: setup
+	tools/speculators_check/run.sh
+
 bench: setup
 	$(PY) benchmarks/bench_eval.py $(ARGS)
 

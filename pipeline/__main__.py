@@ -27,8 +27,23 @@ STAGES: dict[str, Callable[[Config], Path]] = {
     "eval": evaluation.run,
     "export": export.run,
 }
-# What `stage=all` runs: a separate draft, end to end.
+# What `stage=all` runs: a separate draft end to end, or with export.method=medusa|eagle|early_exit
+# the heads stage (heads=<that kind>) in place of distill.
 ALL = ("generate", "distill", "eval", "export")
+
+
+def all_stages(method: str, overrides: list[str]) -> tuple[tuple[str, ...], list[str]]:
+    """The stages `stage=all` runs for export.method `method`, and the overrides they get."""
+    if method == "draft_model":
+        return ALL, overrides
+    if any(o.split("=", 1)[0].lstrip("+~") == "heads" for o in overrides):
+        chosen = next(o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0].lstrip("+~") == "heads")
+        if chosen != method:
+            fail(f"stage=all exports {method} (export.method) but trains heads={chosen}; make them the same", code=2)
+        extra = []
+    else:
+        extra = [f"heads={method}"]
+    return tuple("heads" if name == "distill" else name for name in ALL), [*overrides, *extra]
 
 register_configs()
 
@@ -45,7 +60,8 @@ def run_stages(cfg: Config) -> None:
         from hydra.core.hydra_config import HydraConfig
 
         overrides = [o for o in HydraConfig.get().overrides.task if not o.startswith("stage=")]
-        configs = [(name, to_config(compose("config", overrides=[f"stage={name}", *overrides]))) for name in ALL]
+        names, overrides = all_stages(cfg.export.method, overrides)
+        configs = [(name, to_config(compose("config", overrides=[f"stage={name}", *overrides]))) for name in names]
     elif cfg.stage in STAGES:
         configs = [(cfg.stage, cfg)]
     else:

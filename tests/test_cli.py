@@ -1,5 +1,6 @@
 """The CLI's contract: bad input gives one clear line on stderr and a non-zero exit."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -96,3 +97,29 @@ def test_stage_all_runs_every_stage_with_its_own_defaults(tmp_path, tiny_target_
     bundle = tmp_path / "runs" / "a" / "export"
     assert (bundle / "bundle.json").is_file() and (bundle / "SHA256SUMS").is_file()
     assert f"export: bundle -> {Path('runs/a/export')}" in proc.stdout
+
+
+def test_stage_all_with_heads_trains_the_exported_kind(tmp_path, tiny_target_dir):
+    """export.method=medusa: stage=all runs generate -> heads (heads=medusa) -> eval -> export."""
+    from conftest import write_jsonl
+
+    data = write_jsonl(tmp_path / "d.jsonl", [{"id": f"p{i}", "prompt": f"prompt {i}"} for i in range(3)])
+    proc = run_cli("stage=all", "export.method=medusa", "target=hf", f"target.name_or_path={tiny_target_dir}",
+                   "data=file", f"data.path={data}", "generate.max_new_tokens=4", "eval.max_new_tokens=4",
+                   "eval.sweep=[1]", "eval.trees=false", "heads.max_steps=2", "heads.batch_size=2",
+                   "heads.draft_vocab_size=32", "run=a", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    runs = tmp_path / "runs" / "a"
+    assert (runs / "heads" / "medusa" / "manifest.json").is_file() and not (runs / "distill").exists()
+    assert json.loads((runs / "export" / "bundle.json").read_text())["method"] == "medusa"
+    assert (runs / "export" / "medusa" / "config.json").is_file()
+
+
+def test_stage_all_refuses_heads_of_another_kind_than_exported():
+    from pipeline.__main__ import all_stages
+
+    assert all_stages("draft_model", ["run=a"]) == (("generate", "distill", "eval", "export"), ["run=a"])
+    assert all_stages("eagle", ["run=a"]) == (("generate", "heads", "eval", "export"), ["run=a", "heads=eagle"])
+    assert all_stages("eagle", ["heads=eagle"])[1] == ["heads=eagle"]
+    with pytest.raises(SystemExit):
+        all_stages("eagle", ["heads=medusa"])

@@ -10,6 +10,8 @@ Layout (`runs/<run>/export/` or export.dir):
   heads/        (method medusa, eagle, early_exit) heads.safetensors + heads_config.json, the
                 trained weights and draft vocabulary; the rest is rebuilt from the target
   medusa/       (method medusa) the Medusa-1 layout (export/formats.py)
+  eagle3/       (method eagle) the EAGLE-3 layout (LlamaForCausalLMEagle3; export/formats.py)
+  speculators/  (method eagle) the same head in vLLM's speculators layout
   eval/         the eval report (report.json, report.md) and plots the numbers come from
   README.md     a model card written from the above
   SHA256SUMS    sha256 of every other file, in `sha256sum -c` format

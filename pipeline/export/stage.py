@@ -19,7 +19,7 @@ from typing import Any, Optional
 from pipeline.config import Config
 from pipeline.errors import PipelineError
 from pipeline.export.bundle import BUNDLE_JSON, CHECKSUMS, DRAFT_DIR, FORMAT_VERSION, HEADS_DIR, write_checksums
-from pipeline.export.formats import MEDUSA_DIR, write_medusa
+from pipeline.export.formats import EAGLE3_DIR, MEDUSA_DIR, SPECULATORS_DIR, write_eagle3, write_medusa, write_speculators
 from pipeline.runs import atomic_dir, package_versions, read_manifest, stage_dir
 
 log = logging.getLogger(__name__)
@@ -113,6 +113,15 @@ def _use_lines(meta: dict) -> list[str]:
     if "medusa" in formats:
         lines.append(f"- `{formats['medusa']}/`: the Medusa-1 layout (`config.json` with `medusa_num_heads`, "
                      "`medusa_num_layers`, `base_model_name_or_path`; `medusa_lm_head.safetensors`).")
+    if "eagle3" in formats:
+        lines.append(f"- `{formats['eagle3']}/`: the EAGLE-3 layout (`config.json` with architectures "
+                     "`LlamaForCausalLMEagle3`, `draft_vocab_size`, `eagle_config.eagle_aux_hidden_state_layer_ids`; "
+                     "`model.safetensors` with `fc`, `midlayer.*`, `norm`, `lm_head`, `d2t`, `t2d`) that EAGLE's "
+                     "code, SGLang and vLLM read, with the target as the base model.")
+    if "speculators" in formats:
+        lines.append(f"- `{formats['speculators']}/`: the same head in the speculators layout "
+                     "(`speculators_model_type: eagle3`): `vllm serve <this folder>` finds the target through "
+                     "`speculators_config.verifier.name_or_path`.")
     return lines
 
 
@@ -180,6 +189,8 @@ def run(cfg: Config) -> Path:
     formats = {"hf_draft": DRAFT_DIR} if name == "draft_model" else {"specdraft_heads": HEADS_DIR}
     if name == "medusa":
         formats["medusa"] = MEDUSA_DIR
+    if name == "eagle":
+        formats.update(eagle3=EAGLE3_DIR, speculators=SPECULATORS_DIR)
     meta = bundle_meta(cfg.run, train_manifest, report, method,
                        _data_summary(stage_dir(cfg.runs_dir, cfg.run, "generate")), name, formats)
 
@@ -191,12 +202,17 @@ def run(cfg: Config) -> Path:
             (tmp / HEADS_DIR).mkdir()
             for f in ("heads.safetensors", "heads_config.json"):
                 shutil.copy2(train_dir / f, tmp / HEADS_DIR / f)
-        if name == "medusa":
+        if name in ("medusa", "eagle"):
             from pipeline.heads.models import load_heads
             from pipeline.models import load_target
 
             target = load_target(**dataclasses.asdict(cfg.target))
-            write_medusa(load_heads(train_dir, target.model), target.model, target.name, tmp / MEDUSA_DIR)
+            heads = load_heads(train_dir, target.model)
+            if name == "medusa":
+                write_medusa(heads, target.model, target.name, tmp / MEDUSA_DIR)
+            else:
+                write_eagle3(heads, target.model, tmp / EAGLE3_DIR)
+                write_speculators(heads, target.model, target.name, meta["num_draft_tokens"], tmp / SPECULATORS_DIR)
         (tmp / "eval").mkdir()
         for f in sorted(eval_dir.iterdir()):
             if f.is_file() and (f.suffix == ".png" or f.name in ("report.json", "report.md")):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -102,16 +103,45 @@ class HeadOutput:
     """[B, S', H] the head's output feature before the norm (fed back as the next feature)."""
 
 
-class EagleHead(nn.Module):
-    """EAGLE: one decoder layer (the target's architecture) reading, at position t, the fused
-    target features of t and the embedding of token t+1; it predicts token t+2 and a feature
-    for position t+1, which drafting feeds back in place of the target's (EAGLE-3 style: low,
-    middle and high layer features fused by `fc`).
+class Eagle3LayerMixin:
+    """EAGLE-3's draft layer over a decoder layer of the target's class: the input is
+    [embedding; feature] (2H), attention reads both halves normalised (`input_layernorm`
+    the embedding, `hidden_norm` the feature) through q/k/v projections of 2H inputs, and
+    the residual stream is the feature. The layer's own modules and names are the target's,
+    so its weights are the `midlayer.*` of the EAGLE-3 layout (export/formats.py)."""
 
-    Every input is RMS-normalised first (each target layer's features, the fused or fed-back
-    feature, the embedding), as EAGLE-3 normalises the hidden state and the embedding: the
-    target's middle layers carry massive activations (on the embedded target a token's
-    features reach 10^4 where the embeddings are ~0.1), which unnormalised would swamp fc."""
+    def forward(self, hidden_states: torch.Tensor, attention_mask=None, position_embeddings=None, **kwargs):
+        embeds, feature = hidden_states.chunk(2, dim=-1)
+        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(feature)], dim=-1)
+        attn = self.self_attn(hidden_states=x, attention_mask=attention_mask,
+                              position_embeddings=position_embeddings, **kwargs)
+        hidden = feature + (attn[0] if isinstance(attn, tuple) else attn)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+def _widen(linear: nn.Linear) -> nn.Linear:
+    """A projection of [embedding; feature] inputs: the feature half keeps `linear`'s
+    weights, the embedding half starts fresh."""
+    wide = nn.Linear(2 * linear.in_features, linear.out_features, bias=linear.bias is not None,
+                     dtype=linear.weight.dtype, device=linear.weight.device)
+    with torch.no_grad():
+        wide.weight[:, linear.in_features:] = linear.weight
+        if linear.bias is not None:
+            wide.bias.copy_(linear.bias)
+    return wide
+
+
+class EagleHead(nn.Module):
+    """EAGLE-3: at position t the head reads the target's low, middle and high layer features
+    of t, fused by `fc`, and the embedding of token t+1; one decoder layer (Eagle3LayerMixin
+    over the target's layer class) predicts token t+2 and a feature for position t+1, which
+    drafting feeds back in place of the target's.
+
+    The architecture is EAGLE-3's own, so the head exports to the layouts vLLM, SGLang and
+    speculators read: `fc` is a plain linear map of the raw concatenated features. Their scale
+    differs by layer (on the embedded target a token's feature norm is ~80 at layer 2 and
+    ~650 at layer 27, and the first position of every sequence reaches 2.5e4), so
+    `calibrate` scales fc's blocks once, before training, by each layer's typical norm."""
 
     kind = "eagle"
 
@@ -129,17 +159,17 @@ class EagleHead(nn.Module):
         self.config = config
         dtype = next(target.parameters()).dtype
         self.fc = nn.Linear(len(feature_layers) * size, size, bias=False, dtype=dtype)
-        self.in_proj = nn.Linear(2 * size, size, bias=False, dtype=dtype)
-        norm = target.get_decoder().norm
-        self.layer_norms = nn.ModuleList(_fresh_norm(norm) for _ in feature_layers)
-        self.feature_norm, self.embed_norm = _fresh_norm(norm), _fresh_norm(norm)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)  # the head starts the same in every run
             self.fc.reset_parameters()
-            self.in_proj.reset_parameters()
             self.decoder = AutoModel.from_config(config, dtype=dtype)
-        # The layer starts as the target's last layer; inputs_embeds replace its token embeddings.
-        self.decoder.layers[0].load_state_dict(target.get_decoder().layers[-1].state_dict())
+            layer = self.decoder.layers[0]
+            # The layer starts as the target's last layer; its attention reads 2H inputs.
+            layer.load_state_dict(target.get_decoder().layers[-1].state_dict())
+            for name in ("q_proj", "k_proj", "v_proj"):
+                setattr(layer.self_attn, name, _widen(getattr(layer.self_attn, name)))
+        layer.hidden_norm = _fresh_norm(layer.input_layernorm)
+        layer.__class__ = type(f"Eagle3{type(layer).__name__}", (Eagle3LayerMixin, type(layer)), {})
         self.decoder.norm = nn.Identity()  # the raw output is the next feature; self.norm feeds the head
         self.decoder.get_input_embeddings().requires_grad_(False)  # unused (1 row): inputs_embeds come in
         self.norm = copy.deepcopy(target.get_decoder().norm).requires_grad_(True)  # starts as the target's
@@ -150,10 +180,27 @@ class EagleHead(nn.Module):
         self.settings = dict(feature_layers=list(feature_layers), ttt_steps=ttt_steps)
         self.to(target.device)
 
+    @property
+    def layer(self) -> nn.Module:
+        return self.decoder.layers[0]
+
+    @torch.no_grad()
+    def calibrate(self, features: list[torch.Tensor], valid: torch.Tensor) -> list[float]:
+        """Divide fc's block of each target layer by the median norm of that layer's features
+        [B, T, H] over the valid tokens [B, T], so every layer enters fc at one scale (a
+        linear change: the exported fc holds it). The scales used."""
+        scales = []
+        size = self.config.hidden_size
+        for i, feature in enumerate(features):
+            norm = feature[valid].float().norm(dim=-1).median().item() / size ** 0.5
+            scale = norm if math.isfinite(norm) and norm > 0 else 1.0
+            self.fc.weight[:, i * size : (i + 1) * size] /= scale
+            scales.append(scale)
+        return scales
+
     def fuse(self, target_features: torch.Tensor) -> torch.Tensor:
         """[..., n_layers * H] concatenated target features -> [..., H]."""
-        parts = target_features.chunk(len(self.layer_norms), dim=-1)
-        return self.fc(torch.cat([norm(part) for norm, part in zip(self.layer_norms, parts)], dim=-1))
+        return self.fc(target_features)
 
     def features_out(self, input_ids: torch.Tensor, features: torch.Tensor, attention_mask=None, position_ids=None,
                      cache=None, use_cache: bool = False) -> torch.Tensor:
@@ -161,7 +208,7 @@ class EagleHead(nn.Module):
         and features [B, S, H] (fused target features, or its own fed back)."""
         with torch.no_grad():
             embeds = self.embed_tokens(input_ids)
-        x = self.in_proj(torch.cat([self.embed_norm(embeds.to(features.dtype)), self.feature_norm(features)], dim=-1))
+        x = torch.cat([embeds.to(features.dtype), features], dim=-1)
         return self.decoder(inputs_embeds=x, attention_mask=attention_mask, position_ids=position_ids,
                             cache=cache, use_cache=use_cache).last_hidden_state
 

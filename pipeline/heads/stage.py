@@ -119,6 +119,13 @@ def run(cfg: Config) -> Path:
 
     target_model = target.model.eval()
     heads = build_heads(hc.kind, target_model, draft_vocab.to(target.device), heads_settings(cfg, target_model.config))
+    if hc.kind == "eagle":  # one target pass on the first training sequences sets fc's scales
+        probe = collate(train[: hc.batch_size], pad_id, False).to(accelerator.device)
+        with torch.no_grad():
+            view = target_view(target_model, probe, heads.feature_layers, heads.draft_to_target)
+        scales = heads.calibrate([view.hidden[i] for i in heads.feature_layers], probe.attention_mask.bool())
+        log.info("heads: fc scaled by 1/%s for target layers %s", [round(x, 2) for x in scales],
+                 list(heads.feature_layers))
     if main and not (out / "initial" / "heads_config.json").is_file():
         with atomic_dir(out / "initial") as tmp:
             save_heads(heads, tmp)

@@ -44,15 +44,15 @@ def shifted_by_tv(p: torch.Tensor, tv: float) -> torch.Tensor:
     return q
 
 
-def assert_matches(counts: torch.Tensor, probs: torch.Tensor, what: str) -> None:
+def assert_matches(counts: torch.Tensor, probs: torch.Tensor, what: str, power_tv: float = 0.02) -> None:
     n = counts.sum().item()
     keep = probs > 0
     assert counts[~keep].sum() == 0, f"{what}: a zero-probability outcome was emitted"
     observed = counts[keep].double()
     truth = probs[keep].double() / probs[keep].double().sum()
-    # Power check: the same sample size must reject a 2% error.
-    wrong = shifted_by_tv(truth, 0.02)
-    assert chisquare(observed, wrong * n).pvalue < P_VALUE, f"{what}: too few samples to see a 2% error"
+    # Power check: the same sample size must reject an error of power_tv (2% by default).
+    wrong = shifted_by_tv(truth, power_tv)
+    assert chisquare(observed, wrong * n).pvalue < P_VALUE, f"{what}: too few samples to see a {power_tv:.0%} error"
     assert chisquare(observed, truth * n).pvalue > P_VALUE, what
 
 
@@ -165,3 +165,35 @@ def test_tree_acceptance_samples_the_target_distribution(temperature, top_p):
             second_after_0[emitted[1]] += 1
     assert_matches(first, process_logits(logits[0], temperature, top_p), "first token")
     assert_matches(second_after_0, process_logits(logits[1], temperature, top_p), "second token after token 0")
+
+
+@pytest.mark.parametrize("kind, temperature, top_p", [("medusa", 1.0, 1.0), ("eagle", 0.8, 0.95)])
+def test_tree_decoding_samples_the_target_distribution(kind, temperature, top_p):
+    """End to end through tree_decode: heads with random weights propose trees (Medusa's static
+    tree, EAGLE-2's dynamic one), one target pass verifies each, and the emitted tokens are
+    distributed as the target's own samples. Each prompt is decoded alone (batch size 1), so
+    fewer samples than the chain test: the power check is against a 4% error."""
+    from pipeline.decode.tree import tree_decode
+
+    target = sharp_llama(0, scale=15.0)
+    with torch.inference_mode():
+        start = target.generate(torch.tensor([[1, 4]]), max_new_tokens=3, do_sample=False)[0].tolist()
+    prompt = start + [1, 4]
+    length, n = 2, 6_000
+    gen = torch.Generator().manual_seed(1)
+    heads = build_heads(kind, target, torch.tensor([0, 1, 2, 4, 5]), HEAD_SETTINGS[kind])
+    with torch.no_grad():
+        for p in heads.parameters():
+            if p.requires_grad:
+                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(2)) * 0.3)
+    drafter = heads_drafter(heads.eval(), target, temperature, top_p, gen, tree_depth=2, tree_topk=2)
+    out = tree_decode(target, drafter, [prompt] * n, budget=4, max_new_tokens=length, eos_ids=set(), pad_id=0,
+                      temperature=temperature, top_p=top_p, generator=gen)
+    accepted, proposed = out.accepted_by_position, out.proposed_by_position
+    assert accepted[0] > n / 20 and proposed[0] - accepted[0] > n / 20, (proposed, accepted)
+    seqs = torch.tensor(out.tokens)  # [N, length]
+    exact = exact_distribution(target, prompt, length, temperature, top_p).reshape(VOCAB, VOCAB)
+    assert_matches(torch.bincount(seqs[:, 0], minlength=VOCAB), exact.sum(1), "token 1", power_tv=0.04)
+    assert_matches(torch.bincount(seqs[:, 1], minlength=VOCAB), exact.sum(0), "token 2", power_tv=0.04)
+    pairs = torch.bincount(seqs[:, 0] * VOCAB + seqs[:, 1], minlength=VOCAB * VOCAB)
+    assert_matches(pairs, exact.flatten(), "tokens 1-2", power_tv=0.04)

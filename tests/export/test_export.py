@@ -195,3 +195,129 @@ def test_heads_export_medusa_format_and_eval_from_the_bundle(tiny_target_dir, tm
     report = json.loads((again / "report.json").read_text())
     assert report["methods"]["medusa"]["tau"] == meta["measured"]["tau"]
     assert report["methods"]["medusa"]["num_draft_tokens_mode"] == "bundle"
+
+
+def eagle3_reference_logits(folder, input_ids, aux_hidden, embed):
+    """EAGLE-3's first draft step written from the exported files alone (config.json +
+    model.safetensors, plain torch): position t reads token t+1's embedding and the target's
+    aux hidden states of t; the logits over the target vocabulary (-inf off the draft vocabulary).
+    Independent of pipeline/heads, so it checks what the layout means, not only its names."""
+    from safetensors.torch import load_file
+
+    cfg = json.loads((folder / "config.json").read_text())
+    w = load_file(folder / "model.safetensors")
+    heads, kv, dim = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    eps, theta = cfg["rms_norm_eps"], cfg["rope_theta"]
+
+    def rms(x, weight):
+        return weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+    def rope(x):  # [heads, T, dim]
+        t = x.shape[1]
+        freq = 1.0 / theta ** (torch.arange(0, dim, 2).float() / dim)
+        angle = torch.arange(t).float()[:, None] * freq[None]
+        cos, sin = torch.cat([angle, angle], -1).cos(), torch.cat([angle, angle], -1).sin()
+        half = torch.cat([-x[..., dim // 2:], x[..., : dim // 2]], -1)
+        return x * cos + half * sin
+
+    m = lambda name: w[f"midlayer.{name}.weight"]
+    hidden = aux_hidden @ w["fc.weight"].T  # [T, H]
+    x = torch.cat([rms(embed[input_ids], m("input_layernorm")), rms(hidden, m("hidden_norm"))], -1)
+    t = x.shape[0]
+    q = (x @ m("self_attn.q_proj").T).view(t, heads, dim).transpose(0, 1)
+    k = (x @ m("self_attn.k_proj").T).view(t, kv, dim).transpose(0, 1).repeat_interleave(heads // kv, 0)
+    v = (x @ m("self_attn.v_proj").T).view(t, kv, dim).transpose(0, 1).repeat_interleave(heads // kv, 0)
+    scores = rope(q) @ rope(k).transpose(1, 2) / dim ** 0.5
+    scores = scores.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf"))
+    attn = (scores.softmax(-1) @ v).transpose(0, 1).reshape(t, heads * dim) @ m("self_attn.o_proj").T
+    h = hidden + attn
+    post = rms(h, m("post_attention_layernorm"))
+    h = h + (torch.nn.functional.silu(post @ m("mlp.gate_proj").T) * (post @ m("mlp.up_proj").T)) @ m("mlp.down_proj").T
+    draft_logits = rms(h, w["norm.weight"]) @ w["lm_head.weight"].T  # [T, V_draft]
+    target_ids = torch.arange(len(w["d2t"])) + w["d2t"]
+    out = torch.full((t, cfg["vocab_size"]), float("-inf"))
+    out[:, target_ids] = draft_logits
+    assert w["t2d"].nonzero().flatten().tolist() == target_ids.tolist()
+    return out
+
+
+def test_heads_export_eagle3_and_speculators_formats(tiny_target_dir, tmp_path):
+    """generate -> heads (eagle) -> eval -> export.method=eagle: the EAGLE-3 and speculators
+    layouts' keys, shapes and config fields, and the EAGLE-3 files, read by a reference forward
+    written from the layout alone, give the trained head's own logits."""
+    from safetensors.torch import load_file
+
+    from pipeline.export.bundle import load_bundle
+    from pipeline.heads import stage as heads_stage
+
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"id": f"p{i}", "prompt": f"tell me about number {i}"} for i in range(8)])
+    base = common(tiny_target_dir, tmp_path)
+    data.run(compose_config(*base, "data=file", f"data.path={prompts}", "data.split=all", "generate.max_new_tokens=12"))
+    heads_stage.run(compose_config(*base, "heads=eagle", "heads.feature_layers=[0,0]", "heads.draft_vocab_size=48",
+                                   "heads.batch_size=2",
+                                   "heads.max_steps=3", stage="heads"))
+    evaluation.run(compose_config(*base, *eval_overrides(prompts, "eval.ngram=false", "eval.trees=false"), stage="eval"))
+    out = export.run(compose_config(*base, "export.method=eagle", stage="export"))
+    meta = json.loads((out / "bundle.json").read_text())
+    assert meta["formats"] == {"specdraft_heads": "heads", "eagle3": "eagle3", "speculators": "speculators"}
+    target = load_target(str(tiny_target_dir), device="cpu")
+    tc = target.model.config
+    hidden, vocab, inter = tc.hidden_size, tc.vocab_size, tc.intermediate_size
+    q_out, kv_out = tc.num_attention_heads * tc.head_dim, tc.num_key_value_heads * tc.head_dim
+    layers = json.loads((tmp_path / "x/heads/eagle/heads_config.json").read_text())["settings"]["feature_layers"]
+    shapes = {"fc.weight": (hidden, len(layers) * hidden), "norm.weight": (hidden,), "lm_head.weight": (48, hidden),
+              "d2t": (48,), "t2d": (vocab,)}
+    layer = {"input_layernorm.weight": (hidden,), "hidden_norm.weight": (hidden,),
+             "post_attention_layernorm.weight": (hidden,), "self_attn.q_proj.weight": (q_out, 2 * hidden),
+             "self_attn.k_proj.weight": (kv_out, 2 * hidden), "self_attn.v_proj.weight": (kv_out, 2 * hidden),
+             "self_attn.o_proj.weight": (hidden, q_out), "mlp.gate_proj.weight": (inter, hidden),
+             "mlp.up_proj.weight": (inter, hidden), "mlp.down_proj.weight": (hidden, inter)}
+    for folder, prefix in (("eagle3", "midlayer."), ("speculators", "layers.0.")):
+        weights = load_file(out / folder / "model.safetensors")
+        want = dict(shapes, **{prefix + k: v for k, v in layer.items()})
+        assert {k: tuple(v.shape) for k, v in weights.items()} == want, folder
+        assert weights["d2t"].dtype == torch.int64 and weights["t2d"].dtype == torch.bool
+        assert int(weights["t2d"].sum()) == 48
+    e3 = json.loads((out / "eagle3/config.json").read_text())
+    assert e3["architectures"] == ["LlamaForCausalLMEagle3"] and e3["num_hidden_layers"] == 1
+    assert e3["draft_vocab_size"] == 48 and e3["vocab_size"] == vocab and e3["target_hidden_size"] == hidden
+    assert e3["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == layers
+    sp = json.loads((out / "speculators/config.json").read_text())
+    assert sp["speculators_model_type"] == "eagle3" and sp["architectures"] == ["Eagle3Speculator"]
+    assert sp["draft_vocab_size"] == 48 and sp["eagle_aux_hidden_state_layer_ids"] == layers
+    assert sp["transformer_layer_config"]["num_hidden_layers"] == 1
+    assert sp["transformer_layer_config"]["vocab_size"] == vocab
+    spec = sp["speculators_config"]
+    assert spec["algorithm"] == "eagle3" and spec["default_proposal_method"] == "greedy"
+    assert spec["proposal_methods"][0]["speculative_tokens"] == meta["num_draft_tokens"]
+    assert spec["verifier"]["name_or_path"] == target.name
+
+    head = load_bundle(out, target).draft
+    ids = torch.tensor([[1, 7, 3, 9, 12, 4, 30, 2]])
+    with torch.no_grad():
+        states = target.model(ids, output_hidden_states=True).hidden_states
+        aux = torch.cat([states[i][0] for i in layers], -1)
+        nxt = torch.cat([ids[0, 1:], ids[0, -1:]])
+        ours = head(nxt[None], head.fuse(aux[None])).logits[0]
+        ref = eagle3_reference_logits(out / "eagle3", nxt, aux, target.model.get_input_embeddings().weight)
+    full = torch.full_like(ref, float("-inf"))
+    full[:, head.draft_to_target] = ours
+    torch.testing.assert_close(ref, full, rtol=1e-4, atol=1e-4)
+
+
+def test_eagle3_formats_refuse_the_post_norm_hidden_state(tmp_path):
+    """transformers' last hidden state is after the final norm; serving stacks capture layer
+    inputs before it, so a head reading it cannot be written as EAGLE-3."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from pipeline.export.formats import write_eagle3
+    from pipeline.heads.models import build_heads, feature_indices
+
+    target = LlamaForCausalLM(LlamaConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                                          num_attention_heads=4, num_key_value_heads=2)).eval()
+    head = build_heads("eagle", target, torch.arange(40), dict(feature_layers=list(feature_indices(target.config, [-1]))))
+    with pytest.raises(PipelineError, match=r"hidden states \[3\].*after the final norm"):
+        write_eagle3(head, target, tmp_path / "e")
+    head = build_heads("eagle", target, torch.arange(40), dict(feature_layers=list(feature_indices(target.config, [0, 1]))))
+    write_eagle3(head, target, tmp_path / "e")
+    assert json.loads((tmp_path / "e/config.json").read_text())["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 2]

@@ -54,13 +54,12 @@ def test_eagle_drafts_well_when_it_copies_the_target():
     reproduces the target's own greedy next token at draft position 1: everything is accepted there."""
     target = tiny_target()
     heads = build_heads("eagle", target, torch.arange(40), dict(feature_layers=[-1], ttt_steps=1))
-    # The head's output is its input: in_proj passes the feature through, the layer adds zero.
+    # The head's output is its input: fc passes the feature through, the layer adds zero to
+    # its residual stream (the feature).
     with torch.no_grad():
         size = 32
-        heads.in_proj.weight.zero_()
-        heads.in_proj.weight[:, size:] = torch.eye(size)
         heads.fc.weight.copy_(torch.eye(size))
-        for p in heads.decoder.layers[0].parameters():
+        for p in heads.layer.parameters():
             p.zero_()
         heads.norm.weight.copy_(target.model.norm.weight)
     prompts = [[1, 5, 9, 2]]
