@@ -91,6 +91,24 @@ def test_top_p_keeps_the_smallest_prefix_reaching_p():
     torch.testing.assert_close(hot, torch.softmax(logits / 2.0, dim=0))
 
 
+def lookup_prompt(target) -> list[int]:
+    """The target's own greedy continuation of [1, 4], then [1, 4] again: prompt lookup
+    proposes that continuation, which the target accepts often but not always."""
+    with torch.inference_mode():
+        start = target.generate(torch.tensor([[1, 4]]), max_new_tokens=3, do_sample=False)[0].tolist()
+    return start + [1, 4]
+
+
+def random_heads(kind: str, target):
+    """Heads of `kind` with random trained weights, proposing from 5 of the 6 tokens."""
+    heads = build_heads(kind, target, torch.tensor([0, 1, 2, 4, 5]), HEAD_SETTINGS[kind])
+    with torch.no_grad():
+        for p in heads.parameters():
+            if p.requires_grad:
+                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(2)) * 0.3)
+    return heads.eval()
+
+
 @pytest.mark.parametrize("drafter_kind, k, temperature, top_p", [
     ("draft_model", 2, 1.0, 1.0),
     ("draft_model", 4, 0.7, 0.9),
@@ -102,23 +120,13 @@ def test_top_p_keeps_the_smallest_prefix_reaching_p():
 ])
 def test_speculative_sampling_matches_the_target_distribution(drafter_kind, k, temperature, top_p):
     target = sharp_llama(0, scale=15.0)
-    # The target's own greedy continuation of [1, 4], then [1, 4] again: prompt lookup
-    # proposes that continuation, which the target accepts often but not always.
-    with torch.inference_mode():
-        start = target.generate(torch.tensor([[1, 4]]), max_new_tokens=3, do_sample=False)[0].tolist()
-    prompt = start + [1, 4]
+    prompt = lookup_prompt(target)
     length, n = 3, 24_000
     gen = torch.Generator().manual_seed(1)
     if drafter_kind == "ngram":
         drafter = NgramDrafter(temperature=temperature, vocab_size=VOCAB)
     elif drafter_kind in HEAD_SETTINGS:
-        # Heads with random trained weights, proposing from 5 of the 6 tokens.
-        heads = build_heads(drafter_kind, target, torch.tensor([0, 1, 2, 4, 5]), HEAD_SETTINGS[drafter_kind])
-        with torch.no_grad():
-            for p in heads.parameters():
-                if p.requires_grad:
-                    p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(2)) * 0.3)
-        drafter = heads_drafter(heads.eval(), target, temperature, top_p, gen)
+        drafter = heads_drafter(random_heads(drafter_kind, target), target, temperature, top_p, gen)
     else:
         draft = sharp_llama(7, scale=15.0)
         if drafter_kind == "draft_vocab":
@@ -176,17 +184,10 @@ def test_tree_decoding_samples_the_target_distribution(kind, temperature, top_p)
     from pipeline.decode.tree import tree_decode
 
     target = sharp_llama(0, scale=15.0)
-    with torch.inference_mode():
-        start = target.generate(torch.tensor([[1, 4]]), max_new_tokens=3, do_sample=False)[0].tolist()
-    prompt = start + [1, 4]
+    prompt = lookup_prompt(target)
     length, n = 2, 6_000
     gen = torch.Generator().manual_seed(1)
-    heads = build_heads(kind, target, torch.tensor([0, 1, 2, 4, 5]), HEAD_SETTINGS[kind])
-    with torch.no_grad():
-        for p in heads.parameters():
-            if p.requires_grad:
-                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(2)) * 0.3)
-    drafter = heads_drafter(heads.eval(), target, temperature, top_p, gen, tree_depth=2, tree_topk=2)
+    drafter = heads_drafter(random_heads(kind, target), target, temperature, top_p, gen, tree_depth=2, tree_topk=2)
     out = tree_decode(target, drafter, [prompt] * n, budget=4, max_new_tokens=length, eos_ids=set(), pad_id=0,
                       temperature=temperature, top_p=top_p, generator=gen)
     accepted, proposed = out.accepted_by_position, out.proposed_by_position
