@@ -53,8 +53,9 @@ def write_medusa(heads, target: torch.nn.Module, base_model: str, folder: Path) 
 #   target = draft + d2t[draft]) and `t2d` (a bool mask of the target ids in the draft
 #   vocabulary). The embeddings are the target's and are not stored.
 # - The speculators layout (vLLM's `speculators` config): the same weights with the layer as
-#   `layers.0.*`, and `config.json` with `speculators_model_type: eagle3`,
-#   `transformer_layer_config` and `speculators_config` (proposal method, verifier).
+#   `layers.0.*` plus `embed_tokens.weight` (the target's, as speculators saves it), and
+#   `config.json` with `speculators_model_type: eagle3`, `transformer_layer_config` and
+#   `speculators_config` (proposal method, verifier).
 #
 # Layer ids are indices of transformers' `output_hidden_states`: id i is the input of target
 # layer i (the output of layer i - 1), the hidden state vLLM captures for id i.
@@ -118,7 +119,11 @@ def write_speculators(head, target: torch.nn.Module, base_model: str, num_draft_
     from safetensors.torch import save_file
 
     folder.mkdir(parents=True, exist_ok=True)
-    save_file(eagle3_tensors(head, layer_prefix="layers.0."), str(folder / "model.safetensors"))
+    tensors = eagle3_tensors(head, layer_prefix="layers.0.")
+    # speculators' own checkpoints carry the embeddings, and its loader reads the verifier's only
+    # into a still-uninitialised table: without them a load may keep garbage (seen with 0.9.0).
+    tensors["embed_tokens.weight"] = head.embed_tokens.weight.detach().cpu().contiguous()
+    save_file(tensors, str(folder / "model.safetensors"))
     config = dict(
         architectures=["Eagle3Speculator"], speculators_model_type="eagle3", speculators_version=SPECULATORS_VERSION,
         draft_vocab_size=len(head.draft_to_target), norm_before_residual=False,

@@ -204,15 +204,18 @@ def run(cfg: Config) -> Path:
                 shutil.copy2(train_dir / f, tmp / HEADS_DIR / f)
         if name in ("medusa", "eagle"):
             from pipeline.heads.models import load_heads
-            from pipeline.models import load_target
+            from pipeline.models import EMBEDDED_TARGETS, load_target
 
             target = load_target(**dataclasses.asdict(cfg.target))
             heads = load_heads(train_dir, target.model)
+            # What a serving stack loads as the base model: an embedded target is the HF folder
+            # converted from its GGUF (dequantized weights: not the hub model of the same name).
+            base = str(target.folder) if target.name in EMBEDDED_TARGETS else target.name
             if name == "medusa":
-                write_medusa(heads, target.model, target.name, tmp / MEDUSA_DIR)
+                write_medusa(heads, target.model, base, tmp / MEDUSA_DIR)
             else:
                 write_eagle3(heads, target.model, tmp / EAGLE3_DIR)
-                write_speculators(heads, target.model, target.name, meta["num_draft_tokens"], tmp / SPECULATORS_DIR)
+                write_speculators(heads, target.model, base, meta["num_draft_tokens"], tmp / SPECULATORS_DIR)
         (tmp / "eval").mkdir()
         for f in sorted(eval_dir.iterdir()):
             if f.is_file() and (f.suffix == ".png" or f.name in ("report.json", "report.md")):

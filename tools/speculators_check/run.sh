@@ -3,7 +3,9 @@
 # random EAGLE head of a tiny target in the speculators layout and drafts one sequence; a
 # separate venv (speculators pins another transformers than ours) loads that folder with
 # speculators' own Eagle3DraftModel and drafts the same sequence. Prints "equal: True" when
-# every greedy draft token agrees. Usage: tools/speculators_check/run.sh [work dir]
+# every greedy draft token agrees. With a bundle (export.method=eagle on the embedded target),
+# its head is checked instead, on a chat prompt.
+# Usage: tools/speculators_check/run.sh [work dir] [bundle]
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 root=$(cd "$here/../.." && pwd)
@@ -16,5 +18,5 @@ if [ ! -x "$venv/bin/python" ]; then
   "$venv/bin/pip" install -q --no-deps speculators==0.9.0 hs-connectors==0.9.0
 fi
 rm -rf "$work/out"
-"$root/.venv/bin/python" "$here/ours.py" "$work/out"
+"$root/.venv/bin/python" "$here/ours.py" "$work/out" ${2:+"$(cd "$2" && pwd)"}
 "$venv/bin/python" "$here/theirs.py" "$work/out"

@@ -18,6 +18,7 @@ with torch.no_grad():
     drafts = model(hidden_states=ours["aux"], input_ids=ours["next_ids"],
                    document_ids=torch.zeros(1, t, dtype=torch.long), ttt_steps=1)[0]
     target_ids = drafts + model.d2t[drafts]
-print("speculators: drafts", target_ids.tolist())
-print("equal:", torch.equal(target_ids, ours["drafts"]))
+print(f"speculators: {target_ids.shape[1]} drafts", target_ids.tolist()[0][-12:], "(last 12)")
+agree = (target_ids == ours["drafts"]).sum().item()
+print(f"agree at {agree} of {target_ids.shape[1]} positions; equal: {torch.equal(target_ids, ours['drafts'])}")
 sys.exit(0 if torch.equal(target_ids, ours["drafts"]) else 1)
