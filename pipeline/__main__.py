@@ -36,13 +36,10 @@ def all_stages(method: str, overrides: list[str]) -> tuple[tuple[str, ...], list
     """The stages `stage=all` runs for export.method `method`, and the overrides they get."""
     if method == "draft_model":
         return ALL, overrides
-    if any(o.split("=", 1)[0].lstrip("+~") == "heads" for o in overrides):
-        chosen = next(o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0].lstrip("+~") == "heads")
-        if chosen != method:
-            fail(f"stage=all exports {method} (export.method) but trains heads={chosen}; make them the same", code=2)
-        extra = []
-    else:
-        extra = [f"heads={method}"]
+    chosen = [o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0].lstrip("+~") == "heads"]
+    if chosen and chosen[-1] != method:
+        fail(f"stage=all exports {method} (export.method) but trains heads={chosen[-1]}; make them the same", code=2)
+    extra = [] if chosen else [f"heads={method}"]
     return tuple("heads" if name == "distill" else name for name in ALL), [*overrides, *extra]
 
 register_configs()

@@ -120,8 +120,8 @@ def _use_lines(meta: dict) -> list[str]:
                      "code, SGLang and vLLM read, with the target as the base model.")
     if "speculators" in formats:
         lines.append(f"- `{formats['speculators']}/`: the same head in the speculators layout "
-                     "(`speculators_model_type: eagle3`): `vllm serve <this folder>` finds the target through "
-                     "`speculators_config.verifier.name_or_path`.")
+                     "(`speculators_model_type: eagle3`, read by vLLM's speculators support and by the "
+                     "speculators library; the target is `speculators_config.verifier.name_or_path`).")
     return lines
 
 

@@ -186,9 +186,9 @@ class EagleHead(nn.Module):
 
     @torch.no_grad()
     def calibrate(self, features: list[torch.Tensor], valid: torch.Tensor) -> list[float]:
-        """Divide fc's block of each target layer by the median norm of that layer's features
-        [B, T, H] over the valid tokens [B, T], so every layer enters fc at one scale (a
-        linear change: the exported fc holds it). The scales used."""
+        """Divide fc's block of each target layer by the median root-mean-square of that layer's
+        features [B, T, H] over the valid tokens [B, T], so every layer enters fc at one scale
+        (a linear change: the exported fc holds it). The scales used."""
         scales = []
         size = self.config.hidden_size
         for i, feature in enumerate(features):
