@@ -71,7 +71,8 @@ def aligned_log_probs(student_logits: torch.Tensor, teacher: Teacher, temperatur
     p_log = F.log_softmax(teacher.logits.float() / temperature, dim=-1)
     if teacher.ids is None:
         return p_log, q_full
-    q_top = q_full.gather(-1, teacher.ids)  # [N, k]
+    # A teacher logit of -inf marks a token the draft cannot propose (DraftVocab.teacher): q = 0 there.
+    q_top = q_full.gather(-1, teacher.ids).masked_fill(teacher.logits.isneginf(), float("-inf"))  # [N, k]
     # The draft's mass outside the teacher's top-k: log(1 − Σ q_top), computed stably.
     q_rest = torch.log1p(-torch.logsumexp(q_top, dim=-1).exp().clamp(max=1 - 1e-7))
     p_rest = torch.full_like(q_rest, float("-inf"))
@@ -99,8 +100,63 @@ def distill_loss(kind: str, student_logits: torch.Tensor, teacher: Teacher, labe
     return scale * per_position.mean()
 
 
+class DraftVocab:
+    """A draft that proposes only some of the target's tokens: its logit i is token ids[i].
+
+    Training such a draft against the target's distribution renormalised to those tokens is
+    the best it can do (both for KL and for acceptance); its statistics stay against the
+    target's whole distribution, so they count the mass it cannot reach.
+    """
+
+    def __init__(self, ids: torch.Tensor, vocab_size: int) -> None:
+        self.ids = ids
+        self.index = torch.full((vocab_size,), -1, dtype=torch.long, device=ids.device)
+        self.index[ids] = torch.arange(len(ids), device=ids.device)
+        """[V] the draft index of each target token, -1 outside the draft vocabulary."""
+
+    def teacher(self, teacher: Teacher) -> tuple[Teacher, torch.Tensor]:
+        """(the teacher over draft indices, keep [N]): positions where none of the teacher's
+        top-k tokens is in the draft vocabulary have nothing to learn and are dropped."""
+        if teacher.ids is None:
+            return Teacher(teacher.logits[:, self.ids]), torch.ones(len(teacher.logits), dtype=torch.bool,
+                                                                     device=teacher.logits.device)
+        index = self.index[teacher.ids]
+        keep = (index >= 0).any(-1)
+        logits = teacher.logits.masked_fill(index < 0, float("-inf"))
+        return Teacher(logits[keep], index.clamp(min=0)[keep]), keep
+
+    def labels(self, labels: torch.Tensor) -> torch.Tensor:
+        """Target tokens as draft indices; -100 (cross-entropy's ignore index) outside."""
+        index = self.index[labels]
+        return index.masked_fill(index < 0, -100)
+
+
 @torch.no_grad()
-def expected_acceptance(student_logits: torch.Tensor, teacher: Teacher) -> torch.Tensor:
-    """α = 1 − TV(p, q) at temperature 1, per position. [N]"""
-    p_log, q_log = aligned_log_probs(student_logits, teacher)
-    return 1.0 - total_variation(p_log, q_log)
+def expected_acceptance(student_logits: torch.Tensor, teacher: Teacher,
+                        vocab: Optional[DraftVocab] = None) -> torch.Tensor:
+    """α = Σ_v min(p(v), q(v)) = 1 − TV(p, q) at temperature 1, per position, against the
+    teacher's whole distribution (its top-k renormalised, for a top-k teacher). [N]
+
+    student_logits: [N, V], or [N, V_d] over `vocab` (q is 0 outside it)."""
+    if vocab is None:
+        p_log, q_log = aligned_log_probs(student_logits, teacher)
+        return 1.0 - total_variation(p_log, q_log)
+    q = torch.softmax(student_logits.float(), dim=-1)
+    p = torch.softmax(teacher.logits.float(), dim=-1)
+    if teacher.ids is None:
+        return torch.minimum(p[:, vocab.ids], q).sum(-1)
+    index = vocab.index[teacher.ids]
+    q_at = q.gather(-1, index.clamp(min=0)).masked_fill(index < 0, 0.0)
+    return torch.minimum(p, q_at).sum(-1)
+
+
+@torch.no_grad()
+def top1_agreement(student_logits: torch.Tensor, teacher: Teacher, vocab: Optional[DraftVocab] = None) -> torch.Tensor:
+    """Whether the draft's argmax is the teacher's (the acceptance of greedy decoding). [N] float"""
+    choice = student_logits.argmax(-1)
+    if vocab is not None:
+        choice = vocab.ids[choice]
+    best = teacher.logits.argmax(-1)
+    if teacher.ids is not None:
+        best = teacher.ids.gather(-1, best[:, None]).squeeze(-1)
+    return (choice == best).float()

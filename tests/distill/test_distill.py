@@ -73,10 +73,14 @@ def test_distill_writes_a_draft_that_eval_finds(tiny_target_dir, generated, tmp_
     assert report["costs"]["draft_cost_ratio"]["draft_model"] > 0
 
 
-@pytest.mark.parametrize("teacher", ["online", "offline"])
-def test_training_lowers_the_loss_and_raises_the_heldout_acceptance(tiny_target_dir, generated, tmp_path, teacher):
+# (With a draft vocabulary and the nearly uniform online teacher, q ≥ p on every draft token from
+# the start, so α is already the teacher's mass on the vocabulary and cannot rise: not a case.)
+@pytest.mark.parametrize("teacher,vocab", [("online", 0), ("offline", 0), ("offline", 60)])
+def test_training_lowers_the_loss_and_raises_the_heldout_acceptance(tiny_target_dir, generated, tmp_path, teacher,
+                                                                    vocab):
     runs = fresh_run(generated, tmp_path)
     out = distill.run(compose_config(*overrides(tiny_target_dir, runs, f"distill.teacher={teacher}",
+                                                f"draft.draft_vocab_size={vocab}",
                                                 "distill.max_steps=20", "distill.eval_every=20",
                                                 "distill.eval_fraction=0.3"), stage="distill"))
     metrics = json.loads((out / "manifest.json").read_text())["metrics"]
@@ -85,6 +89,7 @@ def test_training_lowers_the_loss_and_raises_the_heldout_acceptance(tiny_target_
     assert sum(losses[-3:]) < 0.98 * sum(losses[:3]), losses
     # The random tiny target is nearly uniform, so α starts high; it must still rise.
     assert metrics["heldout_alpha_end"] > metrics["heldout_alpha_start"], metrics
+    assert 0 <= metrics["heldout_top1_start"] <= 1 and 0 <= metrics["heldout_top1_end"] <= 1
 
 
 def test_onpolicy_steps_sample_from_the_draft(tiny_target_dir, generated, tmp_path):
@@ -183,3 +188,18 @@ def test_two_deepspeed_processes_follow_the_one_process_loss_trajectory(tiny_tar
     assert manifest["metrics"]["distributed"] == "DEEPSPEED" and manifest["metrics"]["processes"] == 2
     assert losses("d") == pytest.approx(losses("one"), rel=1e-3, abs=1e-7)
     assert (runs / "d/distill/checkpoint/model.safetensors").is_file()
+
+
+def test_onpolicy_samples_stay_in_the_draft_vocabulary(tiny_target_dir):
+    from transformers import AutoModelForCausalLM
+
+    from pipeline.distill.data import Example
+    from pipeline.distill.stage import onpolicy_batch
+
+    draft = AutoModelForCausalLM.from_pretrained(tiny_target_dir)
+    examples = [Example(id=str(i), input_ids=list(range(3 + i, 10 + i)), positions=[3, 4, 5]) for i in range(3)]
+    vocab = torch.tensor([7, 11, 19, 23])
+    batch = onpolicy_batch(draft, examples, 6, 0, torch.Generator().manual_seed(0), "cpu", vocab)
+    assert torch.isin(batch.labels, vocab).all() and len(batch.labels) == 18
+    unrestricted = onpolicy_batch(draft, examples, 6, 0, torch.Generator().manual_seed(0), "cpu")
+    assert not torch.isin(unrestricted.labels, vocab).all()

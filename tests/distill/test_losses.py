@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from pipeline.distill.losses import (
-    Teacher, aligned_log_probs, distill_loss, expected_acceptance, forward_kl, jsd, reverse_kl, total_variation,
+    DraftVocab, Teacher, aligned_log_probs, distill_loss, expected_acceptance, forward_kl, jsd, reverse_kl,
+    top1_agreement, total_variation,
 )
 
 V = 11
@@ -106,3 +107,68 @@ def test_losses_have_gradients_for_the_draft():
         s_ = s.clone().requires_grad_(True)
         distill_loss(kind, s_, Teacher(t), labels=t.argmax(-1)).backward()
         assert s_.grad.abs().sum() > 0, kind
+
+
+VOCAB = torch.tensor([0, 2, 3, 5, 8, 9])  # a draft vocabulary of 6 of the V target tokens
+
+
+def on_target_ids(draft_logits):
+    """Draft-vocabulary logits spread onto the target's vocabulary (-inf elsewhere)."""
+    full = torch.full((len(draft_logits), V), float("-inf"))
+    full[:, VOCAB] = draft_logits
+    return full
+
+
+def test_acceptance_over_a_draft_vocabulary_counts_the_mass_it_cannot_reach():
+    t, s = random_pair()
+    draft_logits, vocab = s[:, : len(VOCAB)], DraftVocab(VOCAB, V)
+    p, q = torch.softmax(t, -1), torch.softmax(on_target_ids(draft_logits), -1)
+    want = torch.minimum(p, q).sum(-1)
+    torch.testing.assert_close(expected_acceptance(draft_logits, Teacher(t), vocab), want)  # online teacher
+    top_logits, top_ids = t.topk(4, dim=-1)  # offline top-k, some of it outside the draft vocabulary
+    assert not torch.isin(top_ids, VOCAB).all()
+    p_top = torch.softmax(top_logits, -1)
+    want = torch.minimum(p_top, q.gather(-1, top_ids)).sum(-1)
+    torch.testing.assert_close(expected_acceptance(draft_logits, Teacher(top_logits, top_ids), vocab), want)
+    # And it is the same number the full-vocabulary path gives for a draft with -inf outside.
+    torch.testing.assert_close(expected_acceptance(draft_logits, Teacher(top_logits, top_ids), vocab),
+                               expected_acceptance(on_target_ids(draft_logits), Teacher(top_logits, top_ids)))
+
+
+def test_a_draft_vocabulary_learns_the_teacher_renormalised_to_it():
+    t, s = random_pair(n=6)
+    draft_logits, vocab = s[:, : len(VOCAB)], DraftVocab(VOCAB, V)
+    top_logits, top_ids = t.topk(3, dim=-1)
+    top_ids[0] = torch.tensor([1, 4, 6])  # no token of the draft vocabulary: nothing to learn
+    teacher, keep = vocab.teacher(Teacher(top_logits, top_ids))
+    assert torch.equal(keep, torch.isin(top_ids, VOCAB).any(-1)) and not keep[0] and keep.sum() >= 3
+    q_log = torch.log_softmax(draft_logits[keep], -1)
+    for row, (ids, logits) in enumerate(zip(top_ids[keep], top_logits[keep])):
+        inside = torch.isin(ids, VOCAB)
+        p_log = torch.log_softmax(logits[inside], -1)
+        q_at = q_log[row, vocab.index[ids[inside]]]
+        q_rest = torch.log1p(-q_at.exp().sum())
+        want = (p_log.exp() * (p_log - q_at)).sum()
+        got = forward_kl(*aligned_log_probs(draft_logits[keep][row : row + 1],
+                                            Teacher(teacher.logits[row : row + 1], teacher.ids[row : row + 1])))
+        torch.testing.assert_close(got, want[None])
+        assert torch.isfinite(q_rest)
+    # An online teacher: its logits at the draft vocabulary's tokens.
+    online, keep = vocab.teacher(Teacher(t))
+    assert keep.all() and torch.equal(online.logits, t[:, VOCAB])
+    # Cross-entropy ignores target tokens outside the vocabulary.
+    labels = vocab.labels(torch.tensor([0, 1, 9, 4, 5, 3]))
+    assert labels.tolist() == [0, -100, 5, -100, 3, 2]
+
+
+def test_top1_agreement_compares_target_tokens():
+    t, _ = random_pair()
+    vocab = DraftVocab(VOCAB, V)
+    best = t.argmax(-1)
+    draft_logits = torch.zeros(5, len(VOCAB))
+    inside = vocab.index[best] >= 0
+    draft_logits[inside, vocab.index[best[inside]]] = 1.0  # agrees where it can
+    got = top1_agreement(draft_logits, Teacher(t), vocab)
+    assert got.tolist() == inside.float().tolist()
+    top_logits, top_ids = t.topk(3, dim=-1)
+    torch.testing.assert_close(top1_agreement(draft_logits, Teacher(top_logits, top_ids), vocab), got)
