@@ -325,7 +325,13 @@ def run(cfg: Config) -> Path:
     target_model = target.model.eval() if not offline or dc.onpolicy_fraction > 0 else None
     if target_model is None:
         target.model = None  # an offline teacher needs no target weights past this point
-    if main and not (out / "initial" / "config.json").is_file():
+    trainer_json = out / "state" / "last" / "trainer.json"
+    resuming = dc.resume and trainer_json.is_file()
+    if resuming and json.loads(trainer_json.read_text()).get("plan") != plan:
+        raise PipelineError(f"{out} holds a distill run with another config or data; "
+                            "pass distill.resume=false to start over (or use another run=)")
+    # The untrained baseline of this plan: written afresh unless this run resumes its own.
+    if main and not (resuming and (out / "initial" / "config.json").is_file()):
         with atomic_dir(out / "initial") as tmp:
             save_draft(draft, target.tokenizer, tmp, draft_vocab=draft_vocab)
     vocab = DraftVocab(draft_vocab.to(accelerator.device), vocab_size) if draft_vocab is not None else None
@@ -338,11 +344,7 @@ def run(cfg: Config) -> Path:
     onpolicy_rng = torch.Generator().manual_seed(cfg.seed + 1)
 
     start_step, start_stats = 0, {}
-    trainer_json = out / "state" / "last" / "trainer.json"
-    if dc.resume and trainer_json.is_file():
-        if json.loads(trainer_json.read_text()).get("plan") != plan:
-            raise PipelineError(f"{out} holds a distill run with another config or data; "
-                                "pass distill.resume=false to start over (or use another run=)")
+    if resuming:
         trainer = load_state(out / "state", accelerator, model, optimizer, scheduler, onpolicy_rng)
         start_step, start_stats = int(trainer["step"]), trainer.get("start_stats") or {}
         log.info("distill: resuming after step %d from %s", start_step, out / "state")

@@ -130,6 +130,18 @@ def test_a_stopped_run_resumes_to_the_same_weights(tiny_target_dir, generated, t
         torch.testing.assert_close(a[key], b[key], rtol=1e-5, atol=1e-6)
     steps = [json.loads(line)["step"] for line in (resumed / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3, 4, 5, 6]
+    initial = load_file(resumed / "initial/model.safetensors")
+    for key in initial:  # the baseline is the resumed plan's own
+        torch.testing.assert_close(initial[key], load_file(whole / "initial/model.safetensors")[key])
+
+
+def test_a_new_plan_in_a_finished_run_writes_its_own_baseline(tiny_target_dir, generated, tmp_path):
+    runs = fresh_run(generated, tmp_path)
+    distill.run(compose_config(*overrides(tiny_target_dir, runs, "distill.max_steps=2"), stage="distill"))
+    out = distill.run(compose_config(*overrides(tiny_target_dir, runs, "distill.max_steps=2", "draft.num_layers=2",
+                                                "draft.init_layers=[0,1]"), stage="distill"))
+    for folder in ("initial", "checkpoint"):
+        assert json.loads((out / folder / "config.json").read_text())["num_hidden_layers"] == 2, folder
 
 
 def test_missing_generate_stage_and_missing_topk_are_clear_errors(tiny_target_dir, generated, tmp_path):
