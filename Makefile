@@ -6,7 +6,7 @@ NUM_PROCESSES ?= 2
 # Extra Hydra overrides for the pipeline targets, e.g. make demo ARGS="generate.batch_size=32"
 ARGS ?=
 
-.PHONY: setup demo test test-fast check-speculators bench bench-generate generate-multi distill-multi clean
+.PHONY: setup demo test test-fast check-speculators bench bench-generate bench-verify generate-multi distill-multi clean
 
 setup: $(VENV)/.installed
 
@@ -38,6 +38,10 @@ bench: setup
 
 bench-generate: setup
 	$(PY) benchmarks/bench_generate.py
+
+# One target forward's cost by tokens verified, for each step of the CPU decode layout.
+bench-verify: setup
+	$(PY) benchmarks/bench_verify.py $(ARGS)
 
 # The same command on a multi-GPU node: NUM_PROCESSES=8 (one process per GPU).
 generate-multi: setup

@@ -67,6 +67,10 @@ class DataConfig:
     """Share of records that fall in the eval split."""
     limit: Optional[int] = None
     """Use at most this many conversations (after skipping bad records)."""
+    per_category: Optional[int] = None
+    """Use at most this many conversations of each category (MT-bench's 8; a source without
+    categories is one), the first in file order: a subset that spans every category, where
+    `limit` alone takes the first categories only."""
     max_prompt_tokens: int = 1024
     """A record whose first prompt is longer than this is skipped and counted as too long."""
     max_turns: Optional[int] = None
@@ -80,6 +84,7 @@ class DataConfig:
         if not 0.0 <= self.eval_fraction < 1.0:
             raise ValueError(f"data.eval_fraction must be in [0, 1), got {self.eval_fraction}")
         _check_positive("data.limit", self.limit)
+        _check_positive("data.per_category", self.per_category)
         _check_positive("data.max_prompt_tokens", self.max_prompt_tokens)
         _check_positive("data.max_turns", self.max_turns)
 
@@ -168,9 +173,10 @@ class EvalConfig:
     compare_hf: bool = False
     """Also run HF assisted generation and prompt lookup with the same drafts and num_draft_tokens."""
     decode_layout: bool = True
-    """On CPU, our decoder runs few-row inputs of every linear layer as (W @ x.T).T
-    (pipeline/decode/layout.py); HF's methods keep an untouched copy. false: both share the
-    model as loaded."""
+    """On CPU, our decoder runs few-row inputs of every linear layer through a small-batch
+    product (pipeline/decode/layout.py) and grouped-query attention without copying the cache
+    per head (pipeline/decode/attention.py); HF's methods keep an untouched copy. false: both
+    share the model as loaded."""
 
     def __post_init__(self) -> None:
         if self.num_draft_tokens != "auto" and not (str(self.num_draft_tokens).isdigit() and int(self.num_draft_tokens) > 0):

@@ -245,10 +245,13 @@ def plan_key(cfg: Config, fingerprint: str) -> dict:
         gen.pop(free)
     if gen["target_answers"] == 1.0:  # the default: keeps plans (and run folders) from before the option
         gen.pop("target_answers")
+    data = dataclasses.asdict(cfg.data)
+    if data["per_category"] is None:  # likewise
+        data.pop("per_category")
     return {
         "target_fingerprint": fingerprint,
         "target_dtype": cfg.target.dtype,
-        "data": dataclasses.asdict(cfg.data),
+        "data": data,
         "generate": gen,
         "seed": cfg.seed,
     }

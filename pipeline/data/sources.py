@@ -221,15 +221,18 @@ def load_conversations(
     split: str = "all",
     eval_fraction: float = 0.05,
     limit: Optional[int] = None,
+    per_category: Optional[int] = None,
     max_prompt_tokens: Optional[int] = None,
     prompt_length: Optional[Callable[[Conversation], int]] = None,
 ) -> LoadResult:
     """The usable conversations of a source in file order, with the skipped ones counted.
 
     `prompt_length` (tokens of a conversation's first templated prompt) enables the
-    `max_prompt_tokens` filter; reading stops as soon as `limit` conversations are kept.
+    `max_prompt_tokens` filter; `per_category` keeps the first that many of each category;
+    reading stops as soon as `limit` conversations are kept.
     """
     result = LoadResult(conversations=[])
+    kept_per_category: Counter = Counter()
     seen = 0
     for index, record in enumerate(iter_source(source, path)):
         seen += 1
@@ -239,9 +242,12 @@ def load_conversations(
             continue
         if split != "all" and in_eval_split(conv.id, eval_fraction) != (split == "eval"):
             continue
+        if per_category is not None and kept_per_category[conv.category] >= per_category:
+            continue
         if max_prompt_tokens and prompt_length and prompt_length(conv) > max_prompt_tokens:
             result.skipped["too_long"] += 1
             continue
+        kept_per_category[conv.category] += 1
         result.conversations.append(conv)
         if limit is not None and len(result.conversations) >= limit:
             break

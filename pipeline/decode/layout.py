@@ -5,15 +5,30 @@ weights from memory once and does little arithmetic, so a step of 5 rows should 
 what a step of 1 row costs. On CPU it does not with nn.Linear: x @ W.T goes to MKL's
 small-M GEMM, which on our 2-core CPU costs about linearly in the rows (a 1536x576 fp32
 weight: 410 µs at 1 row, 690 at 2, 1040 at 3), so verifying k draft tokens cost 1.5-1.8
-target forwards and ate most of the speculative gain. The same product computed as
-(W @ x.T).T, with W in its usual [out, in] layout, takes MKL's kernel for a wide matrix
-times a few columns, which streams W once: 300-470 µs for 1 to 5 rows. One row is run as
-two (the single-column kernel is slower than the two-column one).
+target forwards and ate most of the speculative gain.
 
-`decode_layout` switches a model's CPU nn.Linear modules to that product for inputs of at
-most MAX_ROWS rows; longer inputs (prompt prefill, training batches) and other devices
-keep F.linear. Weights, modules, state dicts and ties are untouched: the model computes the
-same function, and outputs differ from plain nn.Linear by float rounding alone.
+`decode_layout` switches a model's CPU nn.Linear modules to SmallBatchLinear, which runs
+inputs of at most MAX_ROWS rows through one of two products:
+
+- One or two rows: (W @ x.T).T, with W in its usual [out, in] layout: MKL's kernel for a
+  wide matrix times a few columns, which streams W once (300-470 µs for 1 to 5 rows of the
+  weight above). One row is run as two (the single-column kernel is slower).
+- ONEDNN_MIN_ROWS (3) rows and more, for fp32 and bf16 weights where PyTorch has oneDNN:
+  oneDNN's linear on a copy of the weight reordered once into its blocked layout (the
+  kernel inductor uses for frozen CPU linears). Its cost is nearly flat in the rows, but
+  each call costs more to set up, so it loses below 3 rows (with oneDNN for every row
+  count the 2-layer recipe draft's step was 35% slower). `make bench-verify` on the
+  embedded target (context 300): a forward of 1 / 2 / 3 / 5 / 9 / 17 tokens costs 1.00 /
+  1.04 / 1.36 / 1.51 / 2.20 / 2.48 single-token forwards with the first product alone and
+  1.00 / 1.01 / 1.09 / 1.08 / 1.21 / 1.54 with oneDNN from 3 rows: a tree of 9 tokens
+  costs about what a chain of 3 did.
+  Each such layer keeps the reordered copy beside its weight (the model's linear weights
+  once more in memory), made on the first call and again whenever the weight changes (its
+  version or storage). Calls that need gradients use the first product.
+
+Longer inputs (prompt prefill, training batches) and other devices keep F.linear. Weights,
+modules, state dicts and ties are untouched: the model computes the same function, and
+outputs differ from plain nn.Linear by float rounding alone.
 """
 
 from __future__ import annotations
@@ -22,15 +37,24 @@ import torch
 import torch.nn.functional as F
 
 MAX_ROWS = 64
+ONEDNN_MIN_ROWS = 3
+ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def onednn_available() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
 class SmallBatchLinear(torch.nn.Linear):
-    """nn.Linear whose forward runs few-row CPU inputs as (W @ x.T).T."""
+    """nn.Linear whose forward runs few-row CPU inputs through a small-batch product."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1] if x.numel() else 0
         if not 0 < rows <= MAX_ROWS or x.device.type != "cpu":
             return F.linear(x, self.weight, self.bias)
+        packed = self._onednn_weight(x) if rows >= ONEDNN_MIN_ROWS else None
+        if packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")
         flat = x.reshape(rows, x.shape[-1])
         if rows == 1:
             flat = torch.cat([flat, flat])
@@ -38,6 +62,26 @@ class SmallBatchLinear(torch.nn.Linear):
         if self.bias is not None:
             out += self.bias
         return out.view(*x.shape[:-1], self.out_features)
+
+    def _onednn_weight(self, x: torch.Tensor):
+        """The weight in oneDNN's layout, reordered again if the weight changed; None where the
+        oneDNN product does not apply (gradients, other dtypes, no oneDNN)."""
+        w = self.weight
+        if (x.dtype != w.dtype or w.dtype not in ONEDNN_DTYPES or not onednn_available()
+                or (torch.is_grad_enabled() and (w.requires_grad or x.requires_grad))):
+            return None
+        key = (w.data_ptr(), w._version, w.dtype)
+        cached = self.__dict__.get("_onednn")
+        if cached is None or cached[0] != key:
+            with torch.no_grad():
+                cached = (key, torch.ops.mkldnn._reorder_linear_weight(w.detach(), None))
+            self.__dict__["_onednn"] = cached
+        return cached[1]
+
+    def __getstate__(self):  # copies and pickles leave the opaque oneDNN copy behind
+        state = dict(super().__getstate__())
+        state.pop("_onednn", None)
+        return state
 
 
 def decode_layout(model: torch.nn.Module) -> int:

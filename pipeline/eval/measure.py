@@ -264,63 +264,74 @@ def greedy_divergences(model, reference: Measurement, other: Measurement) -> lis
     return found
 
 
-@torch.inference_mode()
-def forward_seconds(model, new_tokens: int, context: int = 128, reps: int = 7) -> float:
-    """Median time of one forward of `new_tokens` tokens after a cached `context`."""
+def forward_step(model, new_tokens: int, context: int = 128) -> Callable[[], None]:
+    """One forward of `new_tokens` tokens after a cached `context` (random tokens), as a call
+    that leaves the cache as it found it."""
     from pipeline.decode.kv import SlotCache
 
     device = next(model.parameters()).device
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(0)
     kv = SlotCache(model, 1, device)
-    kv.forward(torch.randint(0, vocab, (1, context), generator=gen).to(device), logits_to_keep=1)
+    with torch.inference_mode():
+        kv.forward(torch.randint(0, vocab, (1, context), generator=gen).to(device), logits_to_keep=1)
     chunk = torch.randint(0, vocab, (1, new_tokens), generator=gen).to(device)
-    times = []
-    for _ in range(reps):
-        _sync(model)
-        t0 = time.perf_counter()
+    drop = torch.zeros((1, new_tokens), dtype=torch.bool, device=device)
+
+    def step() -> None:
         kv.forward(chunk)
-        _sync(model)
-        times.append(time.perf_counter() - t0)
-        kv.keep_last(torch.zeros((1, new_tokens), dtype=torch.bool, device=device))
-    return sorted(times)[reps // 2]
+        kv.keep_last(drop)
+
+    return step
 
 
-def heads_seconds(heads, target, context: int = 128, reps: int = 7) -> float:
-    """Median time a head module takes per draft token: one EAGLE step after `context` cached
-    positions, one early-exit forward, or all Medusa heads on one hidden state / their number."""
+def heads_step(heads, target, context: int = 128) -> tuple[Callable[[], None], int]:
+    """One draft step of a head module and the draft tokens it yields: one EAGLE step after
+    `context` cached positions, one early-exit forward, or all Medusa heads on one hidden
+    state (one token per head)."""
     if heads.kind == "early_exit":
         from pipeline.heads.models import early_exit_model
 
-        return forward_seconds(early_exit_model(target, heads), 1, context, reps)
+        return forward_step(early_exit_model(target, heads), 1, context), 1
     device = next(target.parameters()).device
     dtype = next(target.parameters()).dtype
     size = target.config.hidden_size
-    times = []
+    if heads.kind == "medusa":
+        hidden = torch.randn((1, size), dtype=dtype, device=device)
+        return (lambda: heads(hidden)), heads.num_heads
+    from pipeline.decode.kv import SlotCache
+
+    kv = SlotCache(heads, 1, device)
     with torch.inference_mode():
-        if heads.kind == "medusa":
-            hidden = torch.randn((1, size), dtype=dtype, device=device)
-            step = lambda: heads(hidden)
-        else:
-            from pipeline.decode.kv import SlotCache
+        kv.run(torch.zeros((1, context), dtype=torch.long, device=device),
+               features=torch.randn((1, context, size), dtype=dtype, device=device), logits_to_keep=1)
+    one_token = torch.zeros((1, 1), dtype=torch.long, device=device)
+    feature = torch.randn((1, 1, size), dtype=dtype, device=device)
+    drop = torch.zeros((1, 1), dtype=torch.bool, device=device)
 
-            kv = SlotCache(heads, 1, device)
-            kv.run(torch.zeros((1, context), dtype=torch.long, device=device),
-                   features=torch.randn((1, context, size), dtype=dtype, device=device), logits_to_keep=1)
-            one_token = torch.zeros((1, 1), dtype=torch.long, device=device)
-            feature = torch.randn((1, 1, size), dtype=dtype, device=device)
+    def step() -> None:
+        kv.run(one_token, features=feature)
+        kv.keep_last(drop)
 
-            def step():
-                kv.run(one_token, features=feature)
-                kv.keep_last(torch.zeros((1, 1), dtype=torch.bool, device=device))
-        for _ in range(reps):
-            _sync(target)
+    return step, 1
+
+
+@torch.inference_mode()
+def median_seconds(steps: dict[str, Callable[[], None]], sync_model, reps: int = 9, warmup: int = 2) -> dict[str, float]:
+    """Median time of each call, timed round-robin (every call once per round) so that the
+    machine's drift over the seconds this takes touches them all alike: the costs are ratios
+    of these times, and timing one call after another misread a 2-token verification as
+    0.4 single-token forwards on a CPU whose speed wandered."""
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for round_ in range(warmup + reps):
+        for name, step in steps.items():
+            _sync(sync_model)
             t0 = time.perf_counter()
             step()
-            _sync(target)
-            times.append(time.perf_counter() - t0)
-    per_round = sorted(times)[reps // 2]
-    return per_round / heads.num_heads if heads.kind == "medusa" else per_round
+            _sync(sync_model)
+            if round_ >= warmup:
+                times[name].append(time.perf_counter() - t0)
+    return {name: sorted(t)[len(t) // 2] for name, t in times.items()}
 
 
 def expected_tokens_per_pass(acceptance_by_position: list[float], proposal_rate: float = 1.0) -> float:

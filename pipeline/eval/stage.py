@@ -18,12 +18,13 @@ from tqdm.auto import tqdm
 
 from pipeline.config import Config
 from pipeline.data.chat import eos_token_ids, first_prompt_ids, load_chat_data
+from pipeline.decode.attention import gqa_attention
 from pipeline.decode.layout import decode_layout
 from pipeline.distill.draft import check_vocabulary, read_draft_vocab, restrict_vocabulary
 from pipeline.errors import PipelineError
 from pipeline.eval.measure import (
-    Measurement, Method, Settings, forward_seconds, greedy_divergences, heads_seconds, make_decode, measure,
-    predicted_speedup,
+    Measurement, Method, Settings, forward_step, greedy_divergences, heads_step, make_decode, measure,
+    median_seconds, predicted_speedup,
 )
 from pipeline.eval.report import write_report
 from pipeline.models import Target, load_target
@@ -102,7 +103,8 @@ def prepare_for_decoding(model: torch.nn.Module, drafts: dict[str, torch.nn.Modu
                          compare_hf: bool, heads: Optional[dict[str, torch.nn.Module]] = None):
     """Prepare the target and drafts for our decoder, in place: drafts with a draft vocabulary
     keep only its LM-head rows (distill/draft.py), and on CPU with `layout` every linear layer
-    runs few-row inputs through the small-batch product (decode/layout.py).
+    runs few-row inputs through the small-batch product (decode/layout.py) and grouped-query
+    attention reads the cache without copying it per head (decode/attention.py).
 
     Returns the target and drafts for HF's methods: copies as transformers loaded them (where
     anything changed), so that HF generate runs on the model every transformers user gets. The
@@ -117,8 +119,9 @@ def prepare_for_decoding(model: torch.nn.Module, drafts: dict[str, torch.nn.Modu
         log.info("%s proposes from its draft vocabulary of %d tokens", name, len(drafts[name].draft_to_target))
     if layout:
         moved = sum(decode_layout(m) for m in (model, *drafts.values(), *(heads or {}).values()))
-        log.info("decode layout: %d linear layers use the small-batch product for our decoder; "
-                 "HF methods use a copy", moved)
+        grouped = sum(gqa_attention(m) for m in (model, *drafts.values()))
+        log.info("decode layout: %d linear layers use the small-batch product and %d models SDPA's own "
+                 "grouped-query attention for our decoder; HF methods use a copy", moved, grouped)
     return hf_model, hf_drafts
 
 
@@ -205,10 +208,16 @@ def run(cfg: Config) -> Path:
     # Costs that explain speedups: a target forward of k+1 tokens and a draft forward, per target token.
     ks = sorted(set(ev.sweep) | set(bundle_k.values()) | (set(ev.tree_budgets) if ev.trees and heads else set())
                 | ({ev.fixed_num_draft_tokens} if ev.fixed_num_draft_tokens else set()))
-    one = forward_seconds(target.model, 1)
-    verify_cost = {k: forward_seconds(target.model, k + 1) / one for k in ks}
-    draft_cost = {name: forward_seconds(d, 1) / one for name, d in drafts.items()}
-    draft_cost.update({name: heads_seconds(module, target.model) / one for name, module in heads.items()})
+    steps = {"one": forward_step(target.model, 1)}
+    steps.update({f"verify {k}": forward_step(target.model, k + 1) for k in ks})
+    steps.update({f"draft {name}": forward_step(d, 1) for name, d in drafts.items()})
+    per_step = {name: heads_step(module, target.model) for name, module in heads.items()}
+    steps.update({f"draft {name}": step for name, (step, _) in per_step.items()})
+    seconds = median_seconds(steps, target.model)
+    one = seconds["one"]
+    verify_cost = {k: seconds[f"verify {k}"] / one for k in ks}
+    draft_cost = {name: seconds[f"draft {name}"] / one for name in drafts}
+    draft_cost.update({name: seconds[f"draft {name}"] / tokens / one for name, (_, tokens) in per_step.items()})
     cost_of = lambda name: draft_cost.get(name.replace("_tree", ""), 0.0)  # a tree's head: per draft step
 
     def predicted(name: str, m: Measurement, k: int) -> Optional[float]:

@@ -1,4 +1,5 @@
 import json
+from collections import Counter
 
 import pytest
 
@@ -122,6 +123,19 @@ def test_mtbench_has_80_questions_in_8_categories():
     assert len(convs) == 80
     assert len({c.category for c in convs}) == 8
     assert all(len(c.user_turns) == 2 for c in convs)
+
+
+def test_per_category_spans_every_category():
+    """data.per_category: the first n of each category in file order; limit alone takes
+    MT-bench's first category (writing) only."""
+    every = load_conversations("mtbench").conversations
+    picked = load_conversations("mtbench", per_category=2).conversations
+    assert len(picked) == 16 and Counter(c.category for c in picked) == {c.category: 2 for c in every}
+    assert [c.id for c in picked] == [c.id for c in every if c in picked]  # file order kept
+    assert {c.id for c in picked} == {c.id for c in every
+                                      if [d for d in every if d.category == c.category].index(c) < 2}
+    assert {c.category for c in load_conversations("mtbench", limit=8).conversations} == {every[0].category}
+    assert len(load_conversations("mtbench", per_category=2, limit=5).conversations) == 5
 
 
 def test_sharegpt_reads_a_prefix_without_parsing_everything():

@@ -9,6 +9,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from pipeline.decode import ModelDrafter, NgramDrafter, plain_decode, speculative_decode
 from pipeline.decode.drafters import lookup
 from pipeline.decode.kv import SlotCache
+from pipeline.decode.layout import onednn_available
 
 VOCAB, EOS, PAD = 32, 31, 0
 
@@ -196,6 +197,31 @@ def test_small_batch_linear_matches_nn_linear():
         assert x.grad is not None and fast.weight.grad is not None
 
 
+@pytest.mark.skipif(not onednn_available(), reason="PyTorch built without oneDNN")
+def test_small_batch_linear_onednn_copy_follows_the_weight():
+    from pipeline.decode.layout import SmallBatchLinear
+
+    torch.manual_seed(0)
+    plain = torch.nn.Linear(48, 80)
+    fast = copy.deepcopy(plain)
+    fast.__class__ = SmallBatchLinear
+    x = torch.randn(2, 3, 48)
+    with torch.inference_mode():
+        torch.testing.assert_close(fast(x), plain(x), rtol=1e-5, atol=1e-6)
+    assert "_onednn" in fast.__dict__  # the oneDNN product ran, on a reordered copy of the weight
+    with torch.no_grad():  # an in-place update (an optimiser step) must not leave the copy stale
+        fast.weight.mul_(-2.0)
+        plain.weight.mul_(-2.0)
+    with torch.inference_mode():
+        torch.testing.assert_close(fast(x), plain(x), rtol=1e-5, atol=1e-6)
+    twin = copy.deepcopy(fast)  # copies leave the opaque oneDNN tensor behind and make their own
+    assert "_onednn" not in twin.__dict__
+    twin.bfloat16()
+    with torch.inference_mode():
+        torch.testing.assert_close(twin(x.bfloat16()), torch.nn.functional.linear(
+            x.bfloat16(), plain.weight.bfloat16(), plain.bias.bfloat16()), rtol=2e-2, atol=2e-2)
+
+
 def test_decode_layout_keeps_the_function():
     from pipeline.decode.layout import decode_layout, is_decode_layout
 
@@ -218,3 +244,36 @@ def test_decode_layout_keeps_the_function():
                               eos_ids={EOS}, pad_id=PAD)
     plain = plain_decode(model, prompts, max_new_tokens=20, eos_ids={EOS}, pad_id=PAD)
     assert spec.tokens == plain.tokens
+
+
+def test_gqa_attention_reads_the_cache_without_copies(monkeypatch):
+    """decode/attention.py: a multi-token step after a cache (a verification), with and without
+    padding, gives the logits of transformers' sdpa attention without its per-head copy of the
+    cache (repeat_kv)."""
+    import transformers.integrations.sdpa_attention as hf_sdpa
+
+    from pipeline.decode.attention import gqa_attention
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa")
+    model = LlamaForCausalLM(config).eval()
+    grouped = copy.deepcopy(model)
+    assert gqa_attention(grouped) and grouped.config._attn_implementation != model.config._attn_implementation
+    assert not gqa_attention(grouped)  # already switched
+    seqs = torch.randint(0, VOCAB, (2, 9))
+    prompt_valid = torch.ones((2, 6), dtype=torch.bool)
+    prompt_valid[0, :2] = False  # a left-padded row: the cache needs a mask
+    outputs = {}
+    with torch.inference_mode():
+        for name, m in (("sdpa", model), ("gqa", grouped)):
+            kv = SlotCache(m, 2, torch.device("cpu"))
+            kv.forward(seqs[:, :6], prompt_valid)
+            copies = []
+            real = hf_sdpa.repeat_kv
+            monkeypatch.setattr(hf_sdpa, "repeat_kv", lambda *a: copies.append(1) or real(*a))
+            outputs[name] = kv.forward(seqs[:, 6:])
+            monkeypatch.setattr(hf_sdpa, "repeat_kv", real)
+            outputs[name + "_copies"] = len(copies)
+    torch.testing.assert_close(outputs["gqa"], outputs["sdpa"], rtol=1e-5, atol=1e-5)
+    assert outputs["sdpa_copies"] == 2 * 2 and outputs["gqa_copies"] == 0  # keys and values, each layer

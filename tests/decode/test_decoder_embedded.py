@@ -78,15 +78,18 @@ def test_batched_speculative_greedy_equals_plain_greedy(setup):
 
 
 def test_decode_layout_keeps_greedy_outputs(setup):
-    """The eval stage lays the weights out input-major for our decoder (decode/layout.py)."""
+    """The eval stage's decode layout (decode/layout.py: small-batch products, oneDNN from 3 rows;
+    decode/attention.py: grouped-query attention without cache copies) keeps greedy outputs."""
     import copy
 
+    from pipeline.decode.attention import gqa_attention
     from pipeline.decode.layout import decode_layout
 
     target, prompts, eos, plain = setup
     model = copy.deepcopy(target.model)
     draft = first_layers_draft(target.model, 4)
     assert decode_layout(model) > 0 and decode_layout(draft) > 0
+    assert gqa_attention(model) and gqa_attention(draft)
     pad = target.tokenizer.pad_token_id
     relaid = [plain_decode(model, [p], max_new_tokens=MAX_NEW_TOKENS, eos_ids=eos, pad_id=pad).tokens[0]
               for p in prompts]

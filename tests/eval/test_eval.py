@@ -182,3 +182,15 @@ def test_methods_take_turns_on_each_batch():
     results = measure({n: recorder(n) for n in "ABC"}, convs, settings)
     assert calls == list("ABCBCACAB")
     assert all(r.total.tokens == 6 and r.total.tau == 1.0 for r in results.values())
+
+
+def test_median_seconds_times_the_calls_round_robin():
+    """Cost lines are ratios of these medians: every call is timed once per round, after warm-up
+    rounds that are not counted, so drift of the machine's speed touches them all alike."""
+    from pipeline.eval.measure import median_seconds
+
+    order = []
+    steps = {name: (lambda name=name: order.append(name)) for name in ("one", "verify 1", "draft d")}
+    seconds = median_seconds(steps, torch.nn.Linear(2, 2), reps=5, warmup=2)
+    assert order == ["one", "verify 1", "draft d"] * 7
+    assert set(seconds) == set(steps) and all(s >= 0 for s in seconds.values())
