@@ -77,5 +77,6 @@ def load_chat_data(data, tokenizer) -> LoadResult:
     in this tokenizer's chat template is skipped as too long."""
     return load_conversations(
         data.source, data.path, split=data.split, eval_fraction=data.eval_fraction, limit=data.limit,
-        per_category=data.per_category, max_prompt_tokens=data.max_prompt_tokens, prompt_length=lambda c: len(first_prompt_ids(tokenizer, c)),
+        per_category=data.per_category, max_prompt_tokens=data.max_prompt_tokens,
+        prompt_length=lambda c: len(first_prompt_ids(tokenizer, c)),
     )

@@ -317,7 +317,8 @@ def heads_step(heads, target, context: int = 128) -> tuple[Callable[[], None], i
 
 
 @torch.inference_mode()
-def median_seconds(steps: dict[str, Callable[[], None]], sync_model, reps: int = 9, warmup: int = 2) -> dict[str, float]:
+def median_seconds(steps: dict[str, Callable[[], None]], sync_model, reps: int = 9,
+                   warmup: int = 2) -> dict[str, float]:
     """Median time of each call, timed round-robin (every call once per round) so that the
     machine's drift over the seconds this takes touches them all alike: the costs are ratios
     of these times, and timing one call after another misread a 2-token verification as
