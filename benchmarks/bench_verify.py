@@ -17,28 +17,36 @@ from __future__ import annotations
 
 import argparse
 import copy
-import time
 
 import torch
 
 import pipeline.decode.layout as layout
 from pipeline.decode.attention import gqa_attention
-from pipeline.decode.kv import SlotCache
 from pipeline.distill.draft import new_draft, restrict_vocabulary
+from pipeline.eval.measure import forward_step, median_seconds
 from pipeline.models import load_target
 
 WIDTHS = (1, 2, 3, 5, 9, 17)
 
 
-def recipe_draft(target: torch.nn.Module, layered_like: torch.nn.Module) -> torch.nn.Module:
+def recipe_draft(target: torch.nn.Module, *, small_batch: bool, grouped: bool) -> torch.nn.Module:
     """The CPU recipe's draft shape (conf/draft/new.yaml): 2 layers, 8192-token vocabulary."""
     draft = new_draft(target, num_layers=2, init_layers=[0, -1]).eval()
     restrict_vocabulary(draft, torch.arange(8192))
-    if layout.is_decode_layout(layered_like):
+    if small_batch:
         layout.decode_layout(draft)
-    if layered_like.config._attn_implementation != draft.config._attn_implementation:
+    if grouped:
         gqa_attention(draft)
     return draft
+
+
+def with_onednn_from(min_rows: int, step):
+    """`step` with the oneDNN product from `min_rows` rows (MAX_ROWS + 1: never)."""
+    def run() -> None:
+        layout.ONEDNN_MIN_ROWS = min_rows
+        step()
+
+    return run
 
 
 def main() -> None:
@@ -48,63 +56,38 @@ def main() -> None:
     args = parser.parse_args()
 
     target = load_target("smollm2_135m", device="cpu")
-    loaded = target.model
-    loaded.eval()
+    loaded = target.model.eval()
     small = copy.deepcopy(loaded)
     layout.decode_layout(small)
-    onednn = copy.deepcopy(small)
     full = copy.deepcopy(small)
     gqa_attention(full)
-    configs = [  # name, target, ONEDNN_MIN_ROWS
-        ("nn.Linear, sdpa (as loaded)", loaded, layout.ONEDNN_MIN_ROWS),
-        ("(W @ x.T).T", small, layout.MAX_ROWS + 1),
-        ("+ oneDNN from 3 rows", onednn, layout.ONEDNN_MIN_ROWS),
-        ("+ grouped-query SDPA (eval)", full, layout.ONEDNN_MIN_ROWS),
+    default_min_rows, never = layout.ONEDNN_MIN_ROWS, layout.MAX_ROWS + 1
+    configs = [  # name, target, draft, oneDNN from
+        ("nn.Linear, sdpa (as loaded)", loaded, recipe_draft(loaded, small_batch=False, grouped=False),
+         default_min_rows),
+        ("(W @ x.T).T", small, recipe_draft(loaded, small_batch=True, grouped=False), never),
+        ("+ oneDNN from 3 rows", copy.deepcopy(small), recipe_draft(loaded, small_batch=True, grouped=False),
+         default_min_rows),
+        ("+ grouped-query SDPA (eval)", full, recipe_draft(loaded, small_batch=True, grouped=True), default_min_rows),
     ]
-    drafts = {name: recipe_draft(loaded, model) for name, model, _ in configs}
-    prompt = torch.randint(0, 8000, (1, args.context))
-    default_min_rows = layout.ONEDNN_MIN_ROWS
-
-    def cache(model):
-        kv = SlotCache(model, 1, torch.device("cpu"))
-        with torch.inference_mode():
-            kv.forward(prompt, logits_to_keep=1)
-        return kv
-
-    def step(kv, width: int, keep: int) -> float:
-        tokens = torch.full((1, width), 5)
-        with torch.inference_mode():
-            t0 = time.perf_counter()
-            kv.forward(tokens, logits_to_keep=keep)
-            seconds = time.perf_counter() - t0
-            kv.keep_last(torch.zeros((1, width), dtype=torch.bool))  # back to the context
-        return seconds
-
-    caches = {name: (cache(model), cache(drafts[name])) for name, model, _ in configs}
-    times: dict[tuple[str, str], list[float]] = {}
-    for _ in range(args.reps + 2):  # the first two warm up
-        for name, _, min_rows in configs:
-            layout.ONEDNN_MIN_ROWS = min_rows
-            target_kv, draft_kv = caches[name]
-            for width in WIDTHS:
-                times.setdefault((name, f"t{width}"), []).append(step(target_kv, width, 0))
-            times.setdefault((name, "draft"), []).append(step(draft_kv, 1, 1))
+    steps = {}
+    for name, model, draft, min_rows in configs:
+        for width in WIDTHS:
+            steps[name, width] = with_onednn_from(min_rows, forward_step(model, width, args.context))
+        steps[name, "draft"] = with_onednn_from(min_rows, forward_step(draft, 1, args.context))
+    seconds = median_seconds(steps, loaded, reps=args.reps)  # round-robin: drift touches all alike
     layout.ONEDNN_MIN_ROWS = default_min_rows
 
-    def median(name, col):
-        values = sorted(times[(name, col)][2:])
-        return values[len(values) // 2]
-
-    base = median(configs[0][0], "t1")
+    base = seconds[configs[0][0], 1]
     print(f"\nembedded target, context {args.context}, {torch.get_num_threads()} threads, medians of {args.reps}; "
           f"v = forward time / the same layout's 1-token forward")
     head = " | ".join(f"v({w} tok)" for w in WIDTHS)
     print(f"| layout | 1-token ms | vs as loaded | {head} | 2-layer draft step |")
     print("|---|---:|---:|" + "---:|" * len(WIDTHS) + "---:|")
-    for name, _, _ in configs:
-        one = median(name, "t1")
-        vs = " | ".join(f"{median(name, f't{w}') / one:.2f}" for w in WIDTHS)
-        print(f"| {name} | {one * 1e3:.1f} | {base / one:.2f}x | {vs} | {median(name, 'draft') / one:.3f} |")
+    for name, *_ in configs:
+        one = seconds[name, 1]
+        vs = " | ".join(f"{seconds[name, w] / one:.2f}" for w in WIDTHS)
+        print(f"| {name} | {one * 1e3:.1f} | {base / one:.2f}x | {vs} | {seconds[name, 'draft'] / one:.3f} |")
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ def sdpa_gqa_attention(module, query, key, value, attention_mask, dropout: float
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
     out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout,
-                                         scale=scaling, is_causal=is_causal and q_length > 1, enable_gqa=True)
+                                         scale=scaling, is_causal=is_causal, enable_gqa=True)
     return out.transpose(1, 2).contiguous(), None
 
 

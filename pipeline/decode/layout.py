@@ -19,8 +19,8 @@ inputs of at most MAX_ROWS rows through one of two products:
   each call costs more to set up, so it loses below 3 rows (with oneDNN for every row
   count the 2-layer recipe draft's step was 35% slower). `make bench-verify` on the
   embedded target (context 300): a forward of 1 / 2 / 3 / 5 / 9 / 17 tokens costs 1.00 /
-  1.04 / 1.36 / 1.51 / 2.20 / 2.48 single-token forwards with the first product alone and
-  1.00 / 1.01 / 1.09 / 1.08 / 1.21 / 1.54 with oneDNN from 3 rows: a tree of 9 tokens
+  1.13 / 1.36 / 1.60 / 2.35 / 2.70 single-token forwards with the first product alone and
+  1.00 / 1.13 / 1.30 / 1.20 / 1.37 / 1.71 with oneDNN from 3 rows: a tree of 9 tokens
   costs about what a chain of 3 did.
   Each such layer keeps the reordered copy beside its weight (the model's linear weights
   once more in memory), made on the first call and again whenever the weight changes (its
@@ -33,6 +33,8 @@ outputs differ from plain nn.Linear by float rounding alone.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -41,6 +43,7 @@ ONEDNN_MIN_ROWS = 3
 ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
 
 
+@functools.cache
 def onednn_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, Hashable, Optional
 
 import torch
 
@@ -317,13 +317,13 @@ def heads_step(heads, target, context: int = 128) -> tuple[Callable[[], None], i
 
 
 @torch.inference_mode()
-def median_seconds(steps: dict[str, Callable[[], None]], sync_model, reps: int = 9,
-                   warmup: int = 2) -> dict[str, float]:
+def median_seconds(steps: dict[Hashable, Callable[[], None]], sync_model, reps: int = 9,
+                   warmup: int = 2) -> dict[Hashable, float]:
     """Median time of each call, timed round-robin (every call once per round) so that the
     machine's drift over the seconds this takes touches them all alike: the costs are ratios
     of these times, and timing one call after another misread a 2-token verification as
     0.4 single-token forwards on a CPU whose speed wandered."""
-    times: dict[str, list[float]] = {name: [] for name in steps}
+    times: dict[Hashable, list[float]] = {name: [] for name in steps}
     for round_ in range(warmup + reps):
         for name, step in steps.items():
             _sync(sync_model)
