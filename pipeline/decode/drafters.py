@@ -7,7 +7,7 @@ told after verification how many of its proposals each row accepted.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Protocol
+from typing import Callable, Optional, Protocol
 
 import torch
 
@@ -112,11 +112,51 @@ def draw(logits: torch.Tensor, temperature: float, top_p: float, generator: Opti
     return token, q
 
 
-def chain_proposal(tokens: list[torch.Tensor], probs: list[Optional[torch.Tensor]]) -> Proposal:
-    """A proposal of len(tokens) tokens for every row, from per-position [B] tokens and [B, V] probs."""
+def chain_proposal(tokens: list[torch.Tensor], probs: list[Optional[torch.Tensor]],
+                   num: Optional[torch.Tensor] = None) -> Proposal:
+    """A proposal from per-position [B] tokens and [B, V] probs: len(tokens) tokens for every
+    row, or num [B] of them (the rest filler)."""
     stacked = torch.stack(tokens, dim=1)
-    num = torch.full((stacked.shape[0],), stacked.shape[1], dtype=torch.long, device=stacked.device)
+    if num is None:
+        num = torch.full((stacked.shape[0],), stacked.shape[1], dtype=torch.long, device=stacked.device)
     return Proposal(stacked, num, torch.stack(probs, dim=1) if probs[0] is not None else None)
+
+
+def draft_chain(drafter, logits: torch.Tensor, k: int, advance: Callable[[torch.Tensor], torch.Tensor],
+                to_target: Optional[torch.Tensor]) -> tuple[Proposal, int]:
+    """Draw up to k tokens per row autoregressively from the first logits [B, V_draft];
+    advance(token [B]) feeds a drawn token to the draft and returns its next logits.
+
+    The drafter's confidence_threshold > 0 ends a row's chain early (as transformers' assisted
+    generation does): a token the draft gave less than that probability is the row's last
+    proposal, and drawing stops once every row has ended. Each skipped token saves a draft
+    step and a verified position that would likely be rejected; the stop depends only on the
+    draft's own distributions, so verification stays lossless. Returns the proposal and the
+    number of tokens drawn (all but the last were fed to the draft)."""
+    threshold = getattr(drafter, "confidence_threshold", 0.0)
+    going = torch.ones(logits.shape[0], dtype=torch.bool, device=logits.device)  # rows still proposing
+    num = torch.zeros(logits.shape[0], dtype=torch.long, device=logits.device)
+    tokens, probs = [], []
+    for i in range(k):
+        token, q = draw(logits, drafter.temperature, drafter.top_p, drafter.generator, to_target, drafter.vocab_size)
+        tokens.append(token)
+        probs.append(q)
+        num += going
+        if threshold > 0:
+            going &= confidence(logits, token, q) >= threshold
+            if not going.any():
+                break
+        if i < k - 1:
+            logits = advance(token)
+    return chain_proposal(tokens, probs, num), len(tokens)
+
+
+def confidence(logits: torch.Tensor, token: torch.Tensor, q: Optional[torch.Tensor]) -> torch.Tensor:
+    """[B] the probability the draft gave its own choice: q(token) when sampling, the largest
+    of softmax(logits [B, V_draft]) when greedy."""
+    if q is not None:
+        return q.gather(1, token[:, None])[:, 0]
+    return torch.softmax(logits.float(), dim=-1).amax(dim=-1)
 
 
 class ModelDrafter:
@@ -126,13 +166,16 @@ class ModelDrafter:
     A draft whose LM head covers only a draft vocabulary carries `draft_to_target` (draft
     index -> target id, distill/draft.py): its proposals are mapped back to target ids, and
     when sampling its distribution is spread onto the target's vocabulary (zero elsewhere).
+    confidence_threshold > 0 ends a row's chain at its first unconfident token (draft_chain).
     """
 
     feature_layers = ()
 
     def __init__(self, model, temperature: float = 0.0, top_p: float = 1.0,
-                 generator: Optional[torch.Generator] = None, name: str = "draft_model"):
+                 generator: Optional[torch.Generator] = None, name: str = "draft_model",
+                 confidence_threshold: float = 0.0):
         self.model, self.name = model, name
+        self.confidence_threshold = confidence_threshold
         self.temperature, self.top_p, self.generator = temperature, top_p, generator
         self.to_target = getattr(model, "draft_to_target", None)
         self.vocab_size = model.config.vocab_size
@@ -157,15 +200,10 @@ class ModelDrafter:
             feed_valid[row, width - len(p):] = True
         logits = self.kv.forward(feed.to(device), feed_valid.to(device), logits_to_keep=1)[:, -1]  # [B, V]
 
-        tokens, probs = [], []
-        for i in range(k):
-            token, q = draw(logits, self.temperature, self.top_p, self.generator, self.to_target, self.vocab_size)
-            tokens.append(token)
-            probs.append(q)
-            if i < k - 1:
-                logits = self.kv.forward(token[:, None])[:, -1]
-        self.last_fed = k - 1  # d_1..d_{k-1} are in the cache, d_k is not
-        return chain_proposal(tokens, probs)
+        advance = lambda token: self.kv.forward(token[:, None])[:, -1]
+        proposal, drawn = draft_chain(self, logits, k, advance, self.to_target)
+        self.last_fed = drawn - 1  # d_1..d_{n-1} of the n drawn are in the cache, d_n is not
+        return proposal
 
     def accepted(self, num_accepted: torch.Tensor) -> None:
         # Keep the fed proposals that were accepted; the rest of d_1..d_{k-1} is dropped.
@@ -251,8 +289,10 @@ class EagleDrafter:
     name = "eagle"
 
     def __init__(self, head, vocab_size: int, temperature: float = 0.0, top_p: float = 1.0,
-                 generator: Optional[torch.Generator] = None, tree_depth: int = 5, tree_topk: int = 4):
+                 generator: Optional[torch.Generator] = None, tree_depth: int = 5, tree_topk: int = 4,
+                 confidence_threshold: float = 0.0):
         self.head, self.vocab_size = head, vocab_size
+        self.confidence_threshold = confidence_threshold
         self.tree_depth, self.tree_topk = tree_depth, tree_topk
         self.temperature, self.top_p, self.generator = temperature, top_p, generator
         self.feature_layers = head.feature_layers
@@ -291,16 +331,17 @@ class EagleDrafter:
     def propose(self, seqs: list[list[int]], num_draft_tokens: int) -> Proposal:
         k = num_draft_tokens
         out = self._catch_up(seqs)
-        tokens, probs = [], []
-        for i in range(k):
-            token, q = draw(out.logits[:, -1], self.temperature, self.top_p, self.generator,
-                            self.head.draft_to_target, self.vocab_size)
-            tokens.append(token)
-            probs.append(q)
-            if i < k - 1:
-                out = self.kv.run(token[:, None], features=out.hidden[:, -1:])
-        self.drafted = k - 1
-        return chain_proposal(tokens, probs)
+        hidden = out.hidden[:, -1:]
+
+        def advance(token: torch.Tensor) -> torch.Tensor:
+            nonlocal hidden
+            step = self.kv.run(token[:, None], features=hidden)
+            hidden = step.hidden[:, -1:]
+            return step.logits[:, -1]
+
+        proposal, drawn = draft_chain(self, out.logits[:, -1], k, advance, self.head.draft_to_target)
+        self.drafted = drawn - 1
+        return proposal
 
     def propose_tree(self, seq: list[int], budget: int):
         """An EAGLE-2 dynamic tree: from the root, expand the `tree_topk` most probable nodes of

@@ -39,6 +39,8 @@ class Settings:
     tree_depth: int = 5
     tree_topk: int = 4
     medusa_choices: Optional[list] = None
+    confidence_threshold: float = 0.0
+    """Chains of draft models, eagle and early_exit end at a token the draft is less sure of."""
     hf_model: Optional[torch.nn.Module] = None
     """The target as transformers lays it out, for HF's methods (default: `model`)."""
 
@@ -109,14 +111,16 @@ def make_decode(drafter: str, settings: Settings, num_draft_tokens: Optional[int
             num_draft_tokens=num_draft_tokens, generator=generator, **common)
     if drafter == "draft_model":
         return lambda prompts: speculative_decode(
-            s.model, ModelDrafter(draft_model, s.temperature, s.top_p, generator), prompts,
+            s.model, ModelDrafter(draft_model, s.temperature, s.top_p, generator,
+                                  confidence_threshold=s.confidence_threshold), prompts,
             num_draft_tokens=num_draft_tokens, generator=generator, **common)
     if drafter in HEAD_METHODS or drafter in TREE_METHODS:
         from pipeline.decode.tree import tree_decode
         from pipeline.heads import heads_drafter
 
         make = lambda: heads_drafter(draft_model, s.model, s.temperature, s.top_p, generator, tree_depth=s.tree_depth,
-                                     tree_topk=s.tree_topk, medusa_choices=s.medusa_choices)
+                                     tree_topk=s.tree_topk, medusa_choices=s.medusa_choices,
+                                     confidence_threshold=s.confidence_threshold)
         if drafter in TREE_METHODS:
             return lambda prompts: tree_decode(s.model, make(), prompts, budget=num_draft_tokens,
                                                generator=generator, **common)

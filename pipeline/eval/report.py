@@ -34,6 +34,8 @@ def markdown(report: dict[str, Any]) -> str:
         f"{report['num_prompts']} conversations ({report['num_turns']} turns), max_new_tokens="
         f"{report['max_new_tokens']}, temperature={report['temperature']}, batch size {report['batch_size']}, "
         f"{report['dtype']} on {report['device']}. Target fingerprint `{report['target']['fingerprint'][:16]}`.",
+        *([f"Chains of draft models, eagle and early_exit end at a token drafted with probability below "
+           f"{report['confidence_threshold']} (k is the longest chain)."] if report.get("confidence_threshold") else []),
         "",
         f"Baselines: our plain decoding {report['baselines']['plain']['tokens_per_s']:.2f} tokens/s, "
         f"HF `generate` {report['baselines']['hf_generate']['tokens_per_s']:.2f} tokens/s "

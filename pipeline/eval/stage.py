@@ -175,7 +175,8 @@ def run(cfg: Config) -> Path:
     settings = Settings(model=target.model, tokenizer=tok, eos_ids=set(eos_token_ids(target.model, tok)),
                         max_new_tokens=ev.max_new_tokens, temperature=ev.temperature, top_p=ev.top_p,
                         seed=cfg.seed, ngram_max=ev.ngram_max, ngram_min=ev.ngram_min, hf_model=hf_model,
-                        tree_depth=ev.tree_depth, tree_topk=ev.tree_topk, medusa_choices=ev.medusa_choices)
+                        tree_depth=ev.tree_depth, tree_topk=ev.tree_topk, medusa_choices=ev.medusa_choices,
+                        confidence_threshold=ev.confidence_threshold)
     greedy = ev.temperature == 0
     num_turns = sum(min(len(c.user_turns), cfg.data.max_turns or 99) for c in convs)
     spec = (([("ngram", "ngram", None)] if ev.ngram else []) + [(n, "draft_model", d) for n, d in drafts.items()]
@@ -223,6 +224,8 @@ def run(cfg: Config) -> Path:
     def predicted(name: str, m: Measurement, k: int) -> Optional[float]:
         if "_tree" in name:  # a tree's draft work is not k chain steps: no simple model
             return None
+        if k > 1 and ev.confidence_threshold > 0 and m.drafter in ("draft_model", "eagle", "early_exit"):
+            return None  # chains that end early: neither k draft steps nor k verified positions
         return predicted_speedup(m.acceptance_by_position, cost_of(name), verify_cost[k], m.proposal_rate)
 
     sweeps, chosen = {}, {}
@@ -281,6 +284,7 @@ def run(cfg: Config) -> Path:
         temperature=ev.temperature, top_p=ev.top_p, batch_size=ev.batch_size,
         device=str(target.device), dtype=str(next(target.model.parameters()).dtype).replace("torch.", ""),
         threads=torch.get_num_threads(), sweep_prompts=ev.sweep_prompts,
+        confidence_threshold=ev.confidence_threshold,
         baselines=dict(plain=dict(tokens_per_s=plain.total.tokens_per_s, tokens=plain.total.tokens,
                                   seconds=plain.total.seconds),
                        hf_generate=dict(tokens_per_s=hf.total.tokens_per_s, tokens=hf.total.tokens,

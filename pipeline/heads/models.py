@@ -351,14 +351,16 @@ def load_heads(folder: Path, target: nn.Module) -> nn.Module:
 
 def heads_drafter(heads: nn.Module, target: nn.Module, temperature: float = 0.0, top_p: float = 1.0,
                   generator: Optional[torch.Generator] = None, *, tree_depth: int = 5, tree_topk: int = 4,
-                  medusa_choices: Optional[list] = None):
+                  medusa_choices: Optional[list] = None, confidence_threshold: float = 0.0):
     """The decoder's drafter for a head module (decode/drafters.py); the tree settings apply to
-    tree decoding (decode/tree.py)."""
+    tree decoding (decode/tree.py), confidence_threshold to the chains of eagle and early_exit."""
     from pipeline.decode.drafters import EagleDrafter, MedusaDrafter, ModelDrafter
 
     vocab = target.config.vocab_size
     if heads.kind == "medusa":
         return MedusaDrafter(heads, vocab, temperature, top_p, generator, choices=medusa_choices)
     if heads.kind == "eagle":
-        return EagleDrafter(heads, vocab, temperature, top_p, generator, tree_depth=tree_depth, tree_topk=tree_topk)
-    return ModelDrafter(early_exit_model(target, heads), temperature, top_p, generator, name="early_exit")
+        return EagleDrafter(heads, vocab, temperature, top_p, generator, tree_depth=tree_depth, tree_topk=tree_topk,
+                            confidence_threshold=confidence_threshold)
+    return ModelDrafter(early_exit_model(target, heads), temperature, top_p, generator, name="early_exit",
+                        confidence_threshold=confidence_threshold)

@@ -103,6 +103,34 @@ def test_rows_of_a_batch_accept_different_lengths():
     assert result.tokens[3] == [19, 20, EOS]
 
 
+class UnsureLM(StubLM):
+    """StubLM whose choice is the rule's but held with probability ~0.05 at every fourth position."""
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None, cache=None, use_cache=True,
+                logits_to_keep=0):
+        out = super().forward(input_ids, attention_mask, position_ids, cache, use_cache, 0)
+        unsure = (position_ids % 4 == 3)[..., None] & (out.logits > 0)
+        out.logits = torch.where(unsure, torch.full_like(out.logits, -9.5), out.logits)
+        if logits_to_keep:
+            out.logits = out.logits[:, -logits_to_keep:]
+        return out
+
+
+@pytest.mark.parametrize("prompts", [[[1, 2]], [[1, 2], [5], [3, 4, 5, 6]]])
+def test_confidence_threshold_ends_chains_at_unsure_tokens(prompts):
+    # The draft is always right, but unsure at every fourth position: with a threshold each
+    # chain ends at its first unsure token, so no chain is longer than 4 of the 6 allowed.
+    sure, plain, _ = run(count_up, ModelDrafter(StubLM(count_up), confidence_threshold=0.5), prompts, k=6)
+    assert sure.tokens == plain.tokens and sure.proposed_by_position[3] > 0  # a sure draft is never stopped
+    result, plain, target = run(count_up, ModelDrafter(UnsureLM(count_up), confidence_threshold=0.5), prompts, k=6)
+    assert result.tokens == plain.tokens
+    assert result.proposed_by_position[4:] == [0, 0] and result.proposed_by_position[2] > 0
+    assert all(a == 1.0 for a in result.acceptance_by_position[:3])
+    assert max(target.calls[1:]) <= 5  # the last token and at most 4 proposals verified per pass
+    unstopped, _, _ = run(count_up, ModelDrafter(UnsureLM(count_up)), prompts, k=6)
+    assert unstopped.tokens == plain.tokens and unstopped.proposed_by_position[5] > 0
+
+
 def test_ngram_lookup_prefers_the_longest_latest_match():
     seq = [1, 2, 3, 9, 1, 2, 3, 7, 5, 2, 3]
     assert lookup(seq, 2, max_ngram=3, min_ngram=1) == [7, 5]  # "2 3" last seen before 7
@@ -134,7 +162,8 @@ def restricted(model, ids):
 
 
 @pytest.mark.parametrize("k", [1, 3, 5])
-@pytest.mark.parametrize("drafter_kind", ["ngram", "draft_model", "self", "self_permuted_vocab", "draft_vocab"])
+@pytest.mark.parametrize("drafter_kind", ["ngram", "draft_model", "self", "self_permuted_vocab", "draft_vocab",
+                                          "draft_model_stopping", "self_stopping"])
 def test_greedy_output_equals_plain_decoding_on_a_tiny_llama(k, drafter_kind):
     target = tiny_llama(0)
     prompts = [[3, 7, 1, 9, 3, 7], [5, 2], [8, 8, 8, 1, 2, 3, 4, 5, 6, 7, 8]]
@@ -143,7 +172,12 @@ def test_greedy_output_equals_plain_decoding_on_a_tiny_llama(k, drafter_kind):
                # the target's own LM head rows in another order: every proposal maps back right
                "self_permuted_vocab": lambda: ModelDrafter(restricted(target, torch.randperm(VOCAB).tolist())),
                # half the vocabulary: proposals stay within it, outputs stay the target's
-               "draft_vocab": lambda: ModelDrafter(restricted(target, list(range(0, VOCAB, 2))))}[drafter_kind]()
+               "draft_vocab": lambda: ModelDrafter(restricted(target, list(range(0, VOCAB, 2)))),
+               # chains that end at the draft's first token below a probability (the tiny target's
+               # choices have 0.03-0.06): rows and steps end at different lengths
+               "draft_model_stopping": lambda: ModelDrafter(tiny_llama(1, layers=1), confidence_threshold=0.04),
+               "self_stopping": lambda: ModelDrafter(target, confidence_threshold=0.04),
+               }[drafter_kind]()
     spec = speculative_decode(target, drafter, prompts, num_draft_tokens=k, max_new_tokens=30,
                               eos_ids={EOS}, pad_id=PAD)
     for row, prompt in enumerate(prompts):
@@ -151,6 +185,10 @@ def test_greedy_output_equals_plain_decoding_on_a_tiny_llama(k, drafter_kind):
         assert spec.tokens[row] == alone.tokens[0]
     if drafter_kind in ("self", "self_permuted_vocab"):  # a draft identical to the target accepts everything
         assert all(a == 1.0 for a in spec.acceptance_by_position)
+    if drafter_kind == "self_stopping":  # everything it proposes (a position never reached reads 0)
+        assert all(a == p for a, p in zip(spec.accepted_by_position, spec.proposed_by_position))
+    if drafter_kind == "self_stopping" and k > 1:  # some chains ended early, some did not
+        assert 0 < spec.proposed_by_position[1] < spec.proposed_by_position[0]
     if drafter_kind == "draft_vocab":  # accepted where the target's token is even, never elsewhere
         assert 0 < spec.acceptance_by_position[0] < 1
 

@@ -109,16 +109,18 @@ def random_heads(kind: str, target):
     return heads.eval()
 
 
-@pytest.mark.parametrize("drafter_kind, k, temperature, top_p", [
-    ("draft_model", 2, 1.0, 1.0),
-    ("draft_model", 4, 0.7, 0.9),
-    ("ngram", 3, 1.0, 1.0),
-    ("draft_vocab", 2, 1.0, 1.0),  # a draft proposing from 4 of the 6 tokens
-    ("medusa", 2, 1.0, 1.0),
-    ("eagle", 3, 0.8, 0.95),
-    ("early_exit", 2, 1.0, 1.0),
+@pytest.mark.parametrize("drafter_kind, k, temperature, top_p, threshold", [
+    ("draft_model", 2, 1.0, 1.0, 0.0),
+    ("draft_model", 4, 0.7, 0.9, 0.0),
+    ("draft_model", 3, 1.0, 1.0, 0.6),  # chains end at a sampled token of draft probability < 0.6
+    ("ngram", 3, 1.0, 1.0, 0.0),
+    ("draft_vocab", 2, 1.0, 1.0, 0.0),  # a draft proposing from 4 of the 6 tokens
+    ("medusa", 2, 1.0, 1.0, 0.0),
+    ("eagle", 3, 0.8, 0.95, 0.0),
+    ("eagle", 3, 1.0, 1.0, 0.3),
+    ("early_exit", 2, 1.0, 1.0, 0.0),
 ])
-def test_speculative_sampling_matches_the_target_distribution(drafter_kind, k, temperature, top_p):
+def test_speculative_sampling_matches_the_target_distribution(drafter_kind, k, temperature, top_p, threshold):
     target = sharp_llama(0, scale=15.0)
     prompt = lookup_prompt(target)
     length, n = 3, 24_000
@@ -126,18 +128,21 @@ def test_speculative_sampling_matches_the_target_distribution(drafter_kind, k, t
     if drafter_kind == "ngram":
         drafter = NgramDrafter(temperature=temperature, vocab_size=VOCAB)
     elif drafter_kind in HEAD_SETTINGS:
-        drafter = heads_drafter(random_heads(drafter_kind, target), target, temperature, top_p, gen)
+        drafter = heads_drafter(random_heads(drafter_kind, target), target, temperature, top_p, gen,
+                                confidence_threshold=threshold)
     else:
         draft = sharp_llama(7, scale=15.0)
         if drafter_kind == "draft_vocab":
             restrict_vocabulary(draft, torch.tensor([0, 2, 3, 5]))
-        drafter = ModelDrafter(draft, temperature, top_p, gen)
+        drafter = ModelDrafter(draft, temperature, top_p, gen, confidence_threshold=threshold)
     # One batch of n identical prompts: rows are independent samples that accept different lengths.
     out = speculative_decode(target, drafter, [prompt] * n, num_draft_tokens=k, max_new_tokens=length,
                              eos_ids=set(), pad_id=0, temperature=temperature, top_p=top_p, generator=gen)
     # Both kinds of step must be common: runs of accepted drafts, and rejections with residual sampling.
     accepted, proposed = out.accepted_by_position, out.proposed_by_position
     assert accepted[1] > n / 20 and proposed[0] - accepted[0] > n / 20, (proposed, accepted)
+    if threshold:  # and chains that ended early: accepted first tokens whose second was never proposed
+        assert accepted[0] - proposed[1] > n / 20, (proposed, accepted)
     seqs = torch.tensor(out.tokens)  # [N, length]
     index = (seqs * torch.tensor([VOCAB ** (length - 1 - i) for i in range(length)])).sum(1)
     joint = torch.bincount(index, minlength=VOCAB ** length)

@@ -93,6 +93,17 @@ def test_sampling_eval_reports_no_greedy_check(tiny_target_dir, draft_dir, promp
     assert report["methods"]["draft_model"]["lossless"] is None
 
 
+def test_confidence_threshold_is_applied_and_reported(tiny_target_dir, draft_dir, prompts_file, tmp_path):
+    cfg = compose_config(*eval_overrides(tiny_target_dir, prompts_file, tmp_path, f"eval.draft={draft_dir}",
+                                         "eval.num_draft_tokens=4", "eval.confidence_threshold=0.99"), stage="eval")
+    out = evaluation.run(cfg)
+    report = json.loads((out / "report.json").read_text())
+    m = report["methods"]["draft_model"]
+    assert report["confidence_threshold"] == 0.99 and m["lossless"] is True
+    assert m["predicted_speedup"] is None  # k draft steps per pass no longer holds
+    assert "probability below 0.99" in (out / "report.md").read_text()
+
+
 def test_eval_finds_the_runs_distilled_draft(tiny_target_dir, draft_dir, prompts_file, tmp_path):
     import shutil
 

@@ -36,14 +36,16 @@ def random_heads(kind, target, draft_vocab, seed=1, scale=0.3):
 @pytest.mark.parametrize("kind", ["medusa", "eagle", "early_exit"])
 @pytest.mark.parametrize("k", [1, 3])
 @pytest.mark.parametrize("vocab_rows", [40, 25])
-def test_greedy_heads_match_plain_decoding(kind, k, vocab_rows):
+@pytest.mark.parametrize("threshold", [0.0, 0.08])
+def test_greedy_heads_match_plain_decoding(kind, k, vocab_rows, threshold):
     target = tiny_target()
     draft_vocab = torch.randperm(40, generator=torch.Generator().manual_seed(3))[:vocab_rows]
     heads = random_heads(kind, target, draft_vocab)
     prompts = [[1, 5, 9, 2], [7, 3], [4, 4, 4, 4, 4, 8, 1]]  # different lengths: padded rows
     common = dict(max_new_tokens=24, eos_ids={39}, pad_id=0)
     plain = plain_decode(target, prompts, **common)
-    out = speculative_decode(target, heads_drafter(heads, target), prompts, num_draft_tokens=k, **common)
+    drafter = heads_drafter(heads, target, confidence_threshold=threshold)
+    out = speculative_decode(target, drafter, prompts, num_draft_tokens=k, **common)
     assert out.tokens == plain.tokens
     assert sum(out.proposed_by_position) > 0
     assert all(a <= p for a, p in zip(out.accepted_by_position, out.proposed_by_position))
