@@ -133,7 +133,7 @@ def draft_chain(drafter, logits: torch.Tensor, k: int, advance: Callable[[torch.
     step and a verified position that would likely be rejected; the stop depends only on the
     draft's own distributions, so verification stays lossless. Returns the proposal and the
     number of tokens drawn (all but the last were fed to the draft)."""
-    threshold = getattr(drafter, "confidence_threshold", 0.0)
+    threshold = drafter.confidence_threshold
     going = torch.ones(logits.shape[0], dtype=torch.bool, device=logits.device)  # rows still proposing
     num = torch.zeros(logits.shape[0], dtype=torch.long, device=logits.device)
     tokens, probs = [], []
