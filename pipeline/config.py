@@ -222,7 +222,7 @@ class ExportConfig:
 DRAFT_KINDS = ("new", "pretrained")
 LOSS_KINDS = ("forward_kl", "reverse_kl", "jsd", "tv", "ce")
 TEACHERS = ("auto", "online", "offline")
-PRECISIONS = ("fp32", "bf16")
+PRECISIONS = ("fp32", "bf16", "auto")
 
 
 @dataclass
@@ -290,7 +290,9 @@ class TrainConfig:
     min_lr_ratio: float = 0.1
     max_grad_norm: float = 1.0
     precision: str = "fp32"
-    """fp32 or bf16 (autocast through accelerate)."""
+    """fp32, bf16 (autocast through accelerate) or auto: bf16 where the device computes it
+    natively (a CUDA GPU with bf16, a CPU with AVX512-BF16 or AMX), else fp32. On a CPU without
+    them bf16 is emulated and many times slower than fp32."""
     eval_every: int = 100
     """Steps between held-out evaluations of the expected acceptance α = 1 - TV(p, q)."""
     eval_fraction: float = 0.05
@@ -316,8 +318,8 @@ class TrainConfig:
 class DistillConfig(TrainConfig):
     """The distill stage: train the draft to match the target's next-token distributions.
 
-    The CPU recipe (experiment=recipe_cpu: 2400 steps under bf16 autocast) takes about 30 minutes
-    on 2 CPU cores, see README."""
+    The CPU recipe (experiment=recipe_cpu: 2400 steps, precision auto) takes about 30 minutes on
+    2 CPU cores with AVX512-BF16 (bf16 autocast) and about 50 in fp32 on 2 AVX2 cores, see README."""
 
     loss: str = "forward_kl"
     """forward_kl, reverse_kl, jsd, tv (1 - expected acceptance) or ce (the target's tokens only)."""
@@ -382,9 +384,10 @@ class HeadsConfig(TrainConfig):
     first), after which a step costs only the heads -- for more than one epoch."""
     cache_shard_size: int = 64
     """Sequences per feature-cache shard (heads.features=offline)."""
-    target_bf16: bool = False
+    target_bf16: Optional[bool] = False
     """Run the frozen target's forward (its features and distributions) under bfloat16 autocast:
-    about twice as fast on a CPU with bf16 support, at bf16 rounding of what the heads learn from."""
+    about twice as fast on a CPU with AVX512-BF16, at bf16 rounding of what the heads learn from.
+    null: only where the device computes bf16 natively (many times slower elsewhere)."""
     exit_layer: int = 8
     """early_exit: the draft is the target's first exit_layer layers plus the adapter."""
     adapter_rank: int = 256

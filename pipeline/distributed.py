@@ -20,3 +20,22 @@ def finish(state) -> None:
     if state.num_processes > 1 and torch.distributed.is_initialized():
         state.wait_for_everyone()
         torch.distributed.destroy_process_group()
+
+
+def native_bf16(device_type: str) -> bool:
+    """Whether this machine computes bfloat16 natively: a CUDA GPU with bf16, or a CPU with
+    AVX512-BF16 or AMX. Elsewhere (an AVX2 laptop, say) bf16 autocast is emulated: a distill
+    step of the CPU recipe took 33 s against 1.3 s in fp32 on a 2-core AVX2 CPU."""
+    if device_type == "cuda":
+        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    if device_type == "cpu":
+        checks = (getattr(torch.cpu, "_is_avx512_bf16_supported", None), getattr(torch.cpu, "_is_amx_tile_supported", None))
+        return any(check is not None and check() for check in checks)
+    return False
+
+
+def resolve_precision(precision: str, device_type: str) -> str:
+    """fp32 or bf16 as given; auto: bf16 where the device computes it natively, else fp32."""
+    if precision != "auto":
+        return precision
+    return "bf16" if native_bf16(device_type) else "fp32"

@@ -98,3 +98,18 @@ def test_resolved_config_round_trips():
     cfg = compose_config("data=mtbench", "data.limit=8", "run=check")
     again = to_config(OmegaConf.structured(cfg))
     assert again == cfg
+
+
+@pytest.mark.parametrize("avx512_bf16, amx, want", [(False, False, "fp32"), (True, False, "bf16"), (False, True, "bf16")])
+def test_auto_precision_takes_bf16_only_where_the_cpu_has_it(monkeypatch, avx512_bf16, amx, want):
+    import torch
+
+    from pipeline.distributed import resolve_precision
+
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    assert resolve_precision("auto", "cpu") == want
+    assert resolve_precision("fp32", "cpu") == "fp32" and resolve_precision("bf16", "cpu") == "bf16"  # as given
+    assert compose_config("distill.precision=auto", "heads.target_bf16=null").heads.target_bf16 is None
+    with pytest.raises(ValueError, match="distill.precision"):
+        compose_config("distill.precision=fp16")

@@ -13,7 +13,8 @@ inputs of at most MAX_ROWS rows through one of two products:
 - One or two rows: (W @ x.T).T, with W in its usual [out, in] layout: MKL's kernel for a
   wide matrix times a few columns, which streams W once (300-470 µs for 1 to 5 rows of the
   weight above). One row is run as two (the single-column kernel is slower).
-- ONEDNN_MIN_ROWS (3) rows and more, for fp32 and bf16 weights where PyTorch has oneDNN:
+- ONEDNN_MIN_ROWS (3) rows and more, for fp32 weights where PyTorch has oneDNN (and bf16
+  weights where the CPU has bf16 instructions, see onednn_dtypes):
   oneDNN's linear on a copy of the weight reordered once into its blocked layout (the
   kernel inductor uses for frozen CPU linears). Its cost is nearly flat in the rows, but
   each call costs more to set up, so it loses below 3 rows (with oneDNN for every row
@@ -40,12 +41,22 @@ import torch.nn.functional as F
 
 MAX_ROWS = 64
 ONEDNN_MIN_ROWS = 3
-ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
 
 
 @functools.cache
 def onednn_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+@functools.cache
+def onednn_dtypes() -> tuple[torch.dtype, ...]:
+    """The weight dtypes oneDNN's linear takes on this CPU: bf16 only where it has the
+    instructions for it (AVX512 BW/VL/DQ or AVX-NE-CONVERT); an AVX2 CPU refuses the bf16
+    reorder."""
+    if not onednn_available():
+        return ()
+    bf16 = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return (torch.float32, torch.bfloat16) if bf16 is not None and bf16() else (torch.float32,)
 
 
 class SmallBatchLinear(torch.nn.Linear):
@@ -70,7 +81,7 @@ class SmallBatchLinear(torch.nn.Linear):
         """The weight in oneDNN's layout, reordered again if the weight changed; None where the
         oneDNN product does not apply (gradients, other dtypes, no oneDNN)."""
         w = self.weight
-        if (x.dtype != w.dtype or w.dtype not in ONEDNN_DTYPES or not onednn_available()
+        if (x.dtype != w.dtype or w.dtype not in onednn_dtypes()
                 or (torch.is_grad_enabled() and (w.requires_grad or x.requires_grad))):
             return None
         key = (w.data_ptr(), w._version, w.dtype)

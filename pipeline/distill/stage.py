@@ -34,6 +34,7 @@ from pipeline.distill.draft import (
     add_lora, check_vocabulary, frequent_tokens, new_draft, pretrained_draft, save_draft,
 )
 from pipeline.distill.losses import DraftVocab, Teacher, distill_loss, expected_acceptance, top1_agreement
+from pipeline.distributed import resolve_precision
 from pipeline.errors import PipelineError
 from pipeline.models import load_target
 from pipeline.runs import (
@@ -121,7 +122,11 @@ def make_accelerator(dc: DistillConfig):
     # On CPUs the process group must be gloo; Accelerator(cpu=True) would drop DeepSpeed for DDP.
     launched = int(os.environ.get("WORLD_SIZE", "1")) > 1
     handlers = [InitProcessGroupKwargs(backend="gloo")] if cpu and launched else []
-    accelerator = Accelerator(cpu=cpu and plugin is None, mixed_precision="bf16" if dc.precision == "bf16" else "no",
+    precision = resolve_precision(dc.precision, "cpu" if cpu else "cuda")
+    if dc.precision == "auto":
+        log.info("precision auto -> %s (%s bf16 on this %s)", precision,
+                 "native" if precision == "bf16" else "no native", "CPU" if cpu else "GPU")
+    accelerator = Accelerator(cpu=cpu and plugin is None, mixed_precision="bf16" if precision == "bf16" else "no",
                               gradient_accumulation_steps=dc.grad_accum, deepspeed_plugin=plugin,
                               kwargs_handlers=handlers)
     if plugin is not None:  # we feed batches ourselves, so DeepSpeed learns their size here

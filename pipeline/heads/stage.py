@@ -31,6 +31,7 @@ from pipeline.config import Config
 from pipeline.distill.data import collate, global_batch_indices, load_examples, micro_batches, split_heldout
 from pipeline.distill.draft import frequent_tokens
 from pipeline.distill.stage import answer_tokens, load_state, lr_lambda, save_state, start_training
+from pipeline.distributed import native_bf16
 from pipeline.errors import PipelineError
 from pipeline.heads.models import build_heads, feature_indices, own_state, save_heads
 from pipeline.heads.cache import FeatureCache, cache_dir
@@ -94,6 +95,9 @@ def run(cfg: Config) -> Path:
     out = heads_dir(cfg)
     generate_dir, gen_manifest, accelerator, target = start_training(cfg, hc)
     main, fingerprint = accelerator.is_main_process, target.fingerprint()
+    if hc.target_bf16 is None:  # null: bf16 only where the device computes it natively
+        hc = dataclasses.replace(hc, target_bf16=native_bf16(accelerator.device.type))
+        log.info("heads.target_bf16 null -> %s", hc.target_bf16)
     examples, skipped = load_examples(generate_dir / "dataset", hc.max_length)
     train, heldout = split_heldout(examples, hc.eval_fraction)
     heldout = heldout[: hc.max_eval_sequences]

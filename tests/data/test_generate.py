@@ -9,7 +9,7 @@ import datasets
 import pytest
 import torch
 
-from conftest import REPO, compose_config, write_jsonl
+from conftest import REPO, compose_config, free_port, write_jsonl
 from pipeline.data import generate
 from pipeline.data.chat import encode, first_prompt_ids, next_turn_ids
 from pipeline.data.generate import regenerate
@@ -222,7 +222,7 @@ def test_two_processes_split_the_work_and_merge_into_one_dataset(tiny_target_dir
                            "generate.max_new_tokens=16", "generate.temperature=0.8")
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_machines", "1",
-              "--num_processes", "2", "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "pipeline", "stage=generate"]
+              "--num_processes", "2", "--main_process_port", str(free_port()), "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "pipeline", "stage=generate"]
     two = subprocess.run([*launch, *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert two.returncode == 0, two.stdout + two.stderr
     one = subprocess.run(cli(*with_run(args, "one")), cwd=tmp_path, env=env,

@@ -9,7 +9,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from pipeline.decode import ModelDrafter, NgramDrafter, plain_decode, speculative_decode
 from pipeline.decode.drafters import lookup
 from pipeline.decode.kv import SlotCache
-from pipeline.decode.layout import onednn_available
+from pipeline.decode.layout import onednn_available, onednn_dtypes
 
 VOCAB, EOS, PAD = 32, 31, 0
 
@@ -258,6 +258,9 @@ def test_small_batch_linear_onednn_copy_follows_the_weight():
     with torch.inference_mode():
         torch.testing.assert_close(twin(x.bfloat16()), torch.nn.functional.linear(
             x.bfloat16(), plain.weight.bfloat16(), plain.bias.bfloat16()), rtol=2e-2, atol=2e-2)
+    # bf16 goes through oneDNN only on a CPU with bf16 instructions; elsewhere (AVX2) the
+    # reorder would raise, so the layer falls back to the plain product
+    assert ("_onednn" in twin.__dict__) == (torch.bfloat16 in onednn_dtypes())
 
 
 def test_decode_layout_keeps_the_function():

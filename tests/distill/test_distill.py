@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import REPO, compose_config, write_jsonl
+from conftest import REPO, compose_config, free_port, write_jsonl
 from pipeline import data, distill
 from pipeline import eval as evaluation
 from pipeline.errors import PipelineError
@@ -185,7 +185,8 @@ def test_two_deepspeed_processes_follow_the_one_process_loss_trajectory(tiny_tar
               "draft.init_layers=[0]", "distill.batch_size=2", "distill.max_steps=4", "distill.lr=0.01",
               "distill.warmup_steps=1", "distill.eval_every=4"]
     env = {**os.environ, "PYTHONPATH": str(REPO), "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
-    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "pipeline",
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                          "--master_port", str(free_port()), "-m", "pipeline",
                           "stage=distill", "run=d", "distill.deepspeed=zero2", *common],
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
     assert two.returncode == 0, two.stderr[-3000:]
