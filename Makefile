@@ -6,7 +6,7 @@ NUM_PROCESSES ?= 2
 # Extra Hydra overrides for the pipeline targets, e.g. make demo ARGS="generate.batch_size=32"
 ARGS ?=
 
-.PHONY: setup demo test test-fast check-speculators bench bench-generate bench-verify generate-multi distill-multi clean
+.PHONY: setup demo test test-fast check-speculators bench bench-generate bench-verify bench-train generate-multi distill-multi clean
 
 setup: $(VENV)/.installed
 
@@ -42,6 +42,10 @@ bench-generate: setup
 # One target forward's cost by tokens verified, for each step of the CPU decode layout.
 bench-verify: setup
 	$(PY) benchmarks/bench_verify.py $(ARGS)
+
+# One distill step of the CPU recipe in fp32 and under bf16 autocast (what precision=auto picks).
+bench-train: setup
+	$(PY) benchmarks/bench_train.py $(ARGS)
 
 # The same command on a multi-GPU node: NUM_PROCESSES=8 (one process per GPU).
 generate-multi: setup
