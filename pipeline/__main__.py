@@ -19,7 +19,6 @@ log = logging.getLogger("pipeline")
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 
 
-
 def _stage(module: str) -> Callable[[Config], Path]:
     """A stage's run(cfg), imported when it runs: the config checks, `--cfg job` and their
     errors answer in half a second instead of the 5 s that torch, transformers and datasets
@@ -27,7 +26,7 @@ def _stage(module: str) -> Callable[[Config], Path]:
     def run(cfg: Config) -> Path:
         return importlib.import_module(module).run(cfg)
 
-    run.__qualname__ = f"{module}.run"
+    run.__module__, run.__qualname__ = module, "run"  # names the stage's own run()
     return run
 
 

@@ -16,10 +16,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach for the networ
 os.environ.setdefault("WANDB_MODE", "offline")
 
 
-
 def free_port() -> int:
-    """A TCP port free right now, for a test's process group: tests run side by side
-    (pytest -n 2) and the launchers' default port would collide."""
+    """A TCP port free right now, for a test's process group: the launchers' fixed default
+    (29500) collides with any other process group on the machine, another test run's included."""
     import socket
 
     with socket.socket() as sock:

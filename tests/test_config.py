@@ -78,9 +78,12 @@ def test_missing_mandatory_value_fails():
 def test_stages_table_is_complete():
     import pipeline
 
+    import importlib
+
     for name, run in STAGES.items():
         assert callable(run), name
         assert run.__module__.startswith(pipeline.__name__ + ".")
+        assert callable(importlib.import_module(run.__module__).run), name  # imported when it runs
     assert "all" not in STAGES  # `all` is the pipeline order, not a stage
     stage_yamls = {p.stem for p in (Path(CONF_DIR) / "stage").glob("*.yaml")}
     assert stage_yamls == {*STAGES, "all"}
