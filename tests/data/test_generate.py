@@ -74,9 +74,10 @@ def test_rows_are_the_template_rendering_of_the_regenerated_conversation(tiny):
         assert ids == full[:-closing]
 
 
-def test_first_turn_is_the_targets_greedy_continuation(tiny):
+@pytest.mark.parametrize("batch_size", [1, 3])  # 3: left-padded rows that finish at different steps
+def test_first_turn_is_the_targets_greedy_continuation(tiny, batch_size):
     rows = regenerate(tiny, CONVS, max_new_tokens=16, temperature=0.0, top_p=1.0,
-                      batch_size=1, max_length=4096, max_turns=1)
+                      batch_size=batch_size, max_length=4096, max_turns=1)
     for conv, row in zip(CONVS, rows):
         prompt = first_prompt_ids(tiny.tokenizer, conv)
         (start, end), = spans(row["loss_mask"])
