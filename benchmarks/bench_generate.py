@@ -1,9 +1,13 @@
-"""Throughput of the generate stage against HF `generate` at batch 1, in one process.
+"""Throughput of the generate stage against HF `generate`, in one process.
 
-    python benchmarks/bench_generate.py [--num-prompts 16] [--max-new-tokens 64]
+    python benchmarks/bench_generate.py [--num-prompts 16] [--max-new-tokens 64] [--topk 32]
 
-All three runs regenerate the first turn of the same ShareGPT prompts with the embedded
-target, greedy, in the target's default dtype; tokens/s counts generated tokens only.
+Every run regenerates the first turn of the same ShareGPT prompts with the embedded target,
+greedy, in the target's default dtype; tokens/s counts generated tokens only. HF generate at
+the stage's batch size is what the stage decoded with before it used our own decoder. The
+last two rows also keep the target's top-k logits at every generated token (the offline
+distillation teacher): read off the logits decoding chose each token from (the stage's way),
+or from a second, teacher-forced pass over the finished answers (its earlier way).
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import torch
 
 from pipeline.config import GenerateConfig
 from pipeline.data.chat import eos_token_ids, first_prompt_ids
-from pipeline.data.generate import regenerate
+from pipeline.data.generate import regenerate, topk_logits
 from pipeline.data.sources import load_conversations
 from pipeline.models import load_target
 
@@ -35,12 +39,36 @@ def hf_generate_batch1(target, prompts: list[list[int]], max_new_tokens: int) ->
     return tokens, time.perf_counter() - t0
 
 
-def ours(target, convs, max_new_tokens: int, batch_size: int) -> tuple[int, float]:
+def hf_generate_batched(target, prompts: list[list[int]], max_new_tokens: int, batch_size: int) -> tuple[int, float]:
+    """transformers' generate on left-padded, length-sorted batches."""
+    from pipeline.decode.decoder import left_pad
+
+    eos = eos_token_ids(target.model, target.tokenizer)
+    pad = target.tokenizer.pad_token_id
+    order = sorted(prompts, key=len, reverse=True)
+    tokens, t0 = 0, time.perf_counter()
+    with torch.inference_mode():
+        for start in range(0, len(order), batch_size):
+            ids, valid = left_pad(order[start : start + batch_size], pad, target.device)
+            out = target.model.generate(
+                input_ids=ids, attention_mask=valid.long(), max_new_tokens=max_new_tokens, do_sample=False,
+                eos_token_id=eos, pad_token_id=pad,
+            )
+            for new in out[:, ids.shape[1]:].tolist():
+                tokens += next((i + 1 for i, t in enumerate(new) if t in eos), len(new))
+    return tokens, time.perf_counter() - t0
+
+
+def ours(target, convs, max_new_tokens: int, batch_size: int, topk: int = 0,
+         teacher_forced: bool = False) -> tuple[int, float]:
     t0 = time.perf_counter()
     rows = regenerate(
         target, convs, max_new_tokens=max_new_tokens, temperature=0.0, top_p=1.0,
-        batch_size=batch_size, max_length=4096, max_turns=1,
+        batch_size=batch_size, max_length=4096, max_turns=1, topk=0 if teacher_forced else topk,
     )
+    if teacher_forced:
+        topk_logits(target.model, rows, topk, batch_size)
+    assert not topk or all(len(r["topk_ids"]) == sum(r["loss_mask"]) for r in rows)
     return sum(sum(r["loss_mask"]) for r in rows), time.perf_counter() - t0
 
 
@@ -49,6 +77,7 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=16)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--batch-size", type=int, default=GenerateConfig.batch_size)
+    parser.add_argument("--topk", type=int, default=32)
     args = parser.parse_args()
 
     target = load_target("smollm2_135m")
@@ -60,20 +89,26 @@ def main() -> None:
     prompts = [first_prompt_ids(tok, c) for c in convs]
     ours(target, convs[:2], 8, 2)  # warm-up: first-call allocations and thread pools
 
+    n, b, k = args.max_new_tokens, args.batch_size, args.topk
     rows = [
-        ("HF generate, batch 1", *hf_generate_batch1(target, prompts, args.max_new_tokens)),
-        ("specdraft generate, batch 1", *ours(target, convs, args.max_new_tokens, 1)),
-        (f"specdraft generate, batch {args.batch_size}", *ours(target, convs, args.max_new_tokens, args.batch_size)),
+        ("HF generate, batch 1", *hf_generate_batch1(target, prompts, n)),
+        (f"HF generate, batch {b}", *hf_generate_batched(target, prompts, n, b)),
+        ("specdraft generate, batch 1", *ours(target, convs, n, 1)),
+        (f"specdraft generate, batch {b}", *ours(target, convs, n, b)),
+        (f"  + top-{k} logits while decoding", *ours(target, convs, n, b, k)),
+        (f"  + top-{k} logits, teacher-forced pass", *ours(target, convs, n, b, k, teacher_forced=True)),
     ]
     base = rows[0][1] / rows[0][2]
     dtype = next(target.model.parameters()).dtype
     print(f"\n{len(prompts)} ShareGPT prompts, max_new_tokens={args.max_new_tokens}, greedy, "
           f"{dtype}, {torch.get_num_threads()} threads, device {target.device}")
-    print(f"| {'method':<32} | tokens | seconds | tokens/s | vs HF batch 1 |")
-    print(f"|{'-' * 34}|-------:|--------:|---------:|--------------:|")
+    batched = rows[1][1] / rows[1][2]
+    print(f"| {'method':<38} | tokens | seconds | tokens/s | vs HF batch 1 | vs HF batch {b} |")
+    print(f"|{'-' * 40}|-------:|--------:|---------:|--------------:|---------------:|")
     for name, tokens, secs in rows:
         rate = tokens / secs
-        print(f"| {name:<32} | {tokens:>6} | {secs:>7.1f} | {rate:>8.1f} | {rate / base:>12.2f}x |")
+        print(f"| {name:<38} | {tokens:>6} | {secs:>7.1f} | {rate:>8.1f} | {rate / base:>12.2f}x | "
+              f"{rate / batched:>13.2f}x |")
 
 
 if __name__ == "__main__":

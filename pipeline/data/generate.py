@@ -61,10 +61,12 @@ def generate_answers(
     pad_id: int,
     eos_ids: set[int],
     batch_size: int,
+    topk: int = 0,
     on_batch: Optional[Callable[[int, int], None]] = None,
-) -> list[list[int]]:
+) -> tuple[list[list[int]], list[Optional[tuple[torch.Tensor, torch.Tensor]]]]:
     """The target's answer to each context (ending at its end-of-turn token, if it gave one),
-    longest contexts batched together.
+    longest contexts batched together; with topk > 0 also the target's top-k logits at each
+    answer token (ids [G, k] int32, logits [G, k]), read off the logits decoding chose it from.
 
     Decoding is our own plain decoder's (pipeline.decode), which follows the decoder's
     contract (temperature and top-p only) and on CPU runs about 1.3x faster than transformers'
@@ -73,23 +75,25 @@ def generate_answers(
     """
     order = sorted(range(len(contexts)), key=lambda i: len(contexts[i]), reverse=True)
     answers: list[list[int]] = [[] for _ in contexts]
+    scores: list[Optional[tuple[torch.Tensor, torch.Tensor]]] = [None for _ in contexts]
     for start in range(0, len(order), batch_size):
         idx = order[start : start + batch_size]
         out = plain_decode(model, [contexts[i] for i in idx], max_new_tokens=max_new_tokens, eos_ids=eos_ids,
-                           pad_id=pad_id, temperature=temperature, top_p=top_p)
-        for i, answer in zip(idx, out.tokens):
-            answers[i] = answer
+                           pad_id=pad_id, temperature=temperature, top_p=top_p, topk=topk)
+        for row, i in enumerate(idx):
+            answers[i] = out.tokens[row]
+            if topk:
+                scores[i] = (out.topk_ids[row], out.topk_logits[row])
         if on_batch:
             on_batch(len(idx), sum(len(answers[i]) for i in idx))
-    return answers
+    return answers, scores
 
 
 @torch.inference_mode()
 def topk_logits(model, rows: list[dict], k: int, batch_size: int) -> None:
-    """Add the target's top-k logits at every generated position to each row, in place.
-
-    One teacher-forced forward pass per conversation: cheap next to decoding, and it sees
-    every turn's final context.
+    """Add the target's top-k logits at every answer position to each row, in place: one
+    teacher-forced forward pass per conversation. Source answers need it; regenerated ones
+    keep the logits they were decoded from (regenerate's topk).
     """
     device = next(model.parameters()).device
     for start in range(0, len(rows), batch_size):
@@ -141,6 +145,7 @@ def regenerate(
     max_length: int,
     max_turns: Optional[int],
     target_answers: float = 1.0,
+    topk: int = 0,
     progress: Optional[Callable[[int, int], None]] = None,
 ) -> list[dict]:
     """Regenerate every turn of `conversations`; one row per conversation.
@@ -149,6 +154,8 @@ def regenerate(
     target's own earlier answers. A conversation stops early when its next context plus
     max_new_tokens would exceed max_length. Conversations chosen by keeps_source_answers keep
     the source's answers instead (cut to max_new_tokens; they end where the source's do).
+    With topk > 0 a regenerated row also gets topk_ids / topk_logits [answer tokens, k] (numpy
+    int32 / float16) from decoding; a source row gets them from topk_logits.
     """
     model, tokenizer = target.model, target.tokenizer
     eos_list = eos_token_ids(model, tokenizer)
@@ -159,6 +166,7 @@ def regenerate(
     ids: list[list[int]] = [[] for _ in conversations]
     mask: list[list[int]] = [[] for _ in conversations]
     answers: list[list[str]] = [[] for _ in conversations]
+    scores: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in conversations]
     active = [i for i, c in enumerate(conversations)]
     turn = 0
     while active:
@@ -178,12 +186,14 @@ def regenerate(
             contexts.append(ids[i] + new)
         regen = [j for j, i in enumerate(prompts) if not keep[i]]
         generated = [[] for _ in prompts]
-        answers_of_target = generate_answers(
+        answers_of_target, scores_of_target = generate_answers(
             model, [contexts[j] for j in regen], max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-            pad_id=tokenizer.pad_token_id, eos_ids=eos_ids, batch_size=batch_size, on_batch=progress,
-        ) if regen else []
-        for j, answer in zip(regen, answers_of_target):
+            pad_id=tokenizer.pad_token_id, eos_ids=eos_ids, batch_size=batch_size, topk=topk, on_batch=progress,
+        ) if regen else ([], [])
+        for j, answer, score in zip(regen, answers_of_target, scores_of_target):
             generated[j] = answer
+            if topk:
+                scores[prompts[j]].append(score)
         for j, i in enumerate(prompts):
             if keep[i]:
                 answer = encode(tokenizer, conversations[i].assistant_turns[turn])
@@ -196,12 +206,16 @@ def regenerate(
             answers[i].append(tokenizer.decode(answer, skip_special_tokens=True))
         turn += 1
         active = [i for i in prompts if turn < num_turns[i]]
-    return [
-        dict(id=c.id, source=c.source, category=c.category, num_turns=num_turns[i],
-             answers="source" if keep[i] else "target", input_ids=ids[i], loss_mask=mask[i])
-        for i, c in enumerate(conversations)
-        if num_turns[i] > 0
-    ]
+    rows = []
+    for i, c in enumerate(conversations):
+        if num_turns[i] == 0:
+            continue
+        rows.append(dict(id=c.id, source=c.source, category=c.category, num_turns=num_turns[i],
+                         answers="source" if keep[i] else "target", input_ids=ids[i], loss_mask=mask[i]))
+        if topk and not keep[i]:
+            rows[-1]["topk_ids"] = torch.cat([top_ids for top_ids, _ in scores[i]]).numpy()
+            rows[-1]["topk_logits"] = torch.cat([top for _, top in scores[i]]).to(torch.float16).numpy()
+    return rows
 
 
 def features(topk: int):
@@ -313,10 +327,12 @@ def run(cfg: Config) -> Path:
         rows = regenerate(
             target, shards[s], max_new_tokens=cfg.generate.max_new_tokens, temperature=cfg.generate.temperature,
             top_p=cfg.generate.top_p, batch_size=cfg.generate.batch_size, max_length=cfg.generate.max_length,
-            max_turns=max_turns, target_answers=cfg.generate.target_answers, progress=progress,
+            max_turns=max_turns, target_answers=cfg.generate.target_answers, topk=cfg.generate.save_topk_logits,
+            progress=progress,
         )
         if cfg.generate.save_topk_logits:
-            topk_logits(target.model, rows, cfg.generate.save_topk_logits, cfg.generate.batch_size)
+            scored = [r for r in rows if r["answers"] == "source"]
+            topk_logits(target.model, scored, cfg.generate.save_topk_logits, cfg.generate.batch_size)
         write_shard(shards_dir / shard_name(s), rows, cfg.generate.save_topk_logits)
         tokens = counts["tokens"] - shard_tokens
         tracker.log({"generate/shard": s, "generate/tokens": tokens,

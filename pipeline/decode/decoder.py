@@ -29,6 +29,11 @@ class DecodeResult:
     proposed_by_position: list[int] = field(default_factory=list)
     """How often draft position i was verified (every earlier position accepted)."""
     accepted_by_position: list[int] = field(default_factory=list)
+    topk_ids: list[torch.Tensor] = field(default_factory=list)
+    """plain_decode(topk=k): per row, the target's k largest raw logits' token ids [G, k] (int32) at
+    each of its G emitted tokens, taken from the logits that token was chosen from."""
+    topk_logits: list[torch.Tensor] = field(default_factory=list)
+    """... and those logits [G, k] (float32)."""
 
     @property
     def tau(self) -> float:
@@ -113,15 +118,22 @@ class Rows:
 @torch.inference_mode()
 def plain_decode(
     model, prompts: list[list[int]], *, max_new_tokens: int, eos_ids: set[int], pad_id: int,
-    temperature: float = 0.0, top_p: float = 1.0, generator: Optional[torch.Generator] = None,
+    temperature: float = 0.0, top_p: float = 1.0, generator: Optional[torch.Generator] = None, topk: int = 0,
 ) -> DecodeResult:
+    """One token per target pass. topk > 0 also keeps the target's top-k raw logits at every
+    emitted token (a distillation teacher for free: no second, teacher-forced pass)."""
     device = next(model.parameters()).device
     tokens, valid = left_pad(prompts, pad_id, device)
     kv = SlotCache(model, len(prompts), device)
     rows = Rows(prompts, max_new_tokens, eos_ids)
+    top: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in prompts]
     logits = prefill(kv, tokens, valid)
     while True:
         last = next_token(logits, temperature, top_p, generator)  # [B]
+        if topk:
+            values, ids = logits.float().topk(topk, dim=-1)  # [B, k]
+            for r, i in enumerate(rows.active):
+                top[i].append((ids[r], values[r]))
         keep = rows.drop([rows.emit(r, [t]) for r, t in enumerate(last.tolist())])
         if not rows.active:
             break
@@ -129,7 +141,11 @@ def plain_decode(
             kv.select_rows(keep.to(device))
             last = last[keep.to(device)]
         logits = decode_one_token(kv, last)
-    return DecodeResult(rows.out, rows.passes)
+    result = DecodeResult(rows.out, rows.passes)
+    if topk:
+        result.topk_ids = [torch.stack([i for i, _ in row]).to(torch.int32).cpu() for row in top]
+        result.topk_logits = [torch.stack([v for _, v in row]).cpu() for row in top]
+    return result
 
 
 def speculative_step(

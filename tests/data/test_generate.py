@@ -142,20 +142,23 @@ def test_stage_writes_dataset_topk_logits_and_manifest(tiny, tiny_target_dir, ch
     for rel, digest in manifest["outputs"].items():
         assert sha256_file(out / rel) == digest, rel
 
-    # Top-k logits: fp16, one row per generated token, taken where that token is predicted.
-    row = ds.with_format("numpy")[0]
-    positions = row["loss_mask"].nonzero()[0]
+    # Top-k logits: fp16, one row per generated token, taken where that token is predicted. They
+    # come from decoding (batched, left-padded, turn by turn), so they must equal a teacher-forced
+    # pass over the finished conversation, every turn of every row.
     assert ds.features["topk_logits"].dtype == "float16" and ds.features["topk_ids"].dtype == "int32"
-    assert row["topk_logits"].shape == row["topk_ids"].shape == (len(positions), 4)
-    with torch.inference_mode():
-        logits = tiny.model(torch.from_numpy(row["input_ids"]).long()[None]).logits[0]
-    want_vals, want_ids = logits[positions - 1].topk(4, dim=-1)
-    assert torch.equal(torch.from_numpy(row["topk_ids"]).long(), want_ids)
-    torch.testing.assert_close(torch.from_numpy(row["topk_logits"]).float(), want_vals, atol=1e-2, rtol=1e-3)
-    # Greedy: each generated token is the argmax of its own logits (unless at an exact tie).
-    tokens = row["input_ids"][positions]
-    gap = want_vals[:, 0] - logits[positions - 1].gather(1, torch.from_numpy(tokens).long()[:, None])[:, 0]
-    assert bool(((want_ids[:, 0].numpy() == tokens) | (gap.numpy() < 1e-5)).all())
+    assert max(ds["num_turns"]) > 1
+    for row in ds.with_format("numpy"):
+        positions = row["loss_mask"].nonzero()[0]
+        assert row["topk_logits"].shape == row["topk_ids"].shape == (len(positions), 4)
+        with torch.inference_mode():
+            logits = tiny.model(torch.from_numpy(row["input_ids"]).long()[None]).logits[0]
+        want_vals, want_ids = logits[positions - 1].topk(4, dim=-1)
+        assert torch.equal(torch.from_numpy(row["topk_ids"]).long(), want_ids), row["id"]
+        torch.testing.assert_close(torch.from_numpy(row["topk_logits"]).float(), want_vals, atol=1e-2, rtol=1e-3)
+        # Greedy: each generated token is the argmax of its own logits (unless at an exact tie).
+        tokens = row["input_ids"][positions]
+        gap = want_vals[:, 0] - logits[positions - 1].gather(1, torch.from_numpy(tokens).long()[:, None])[:, 0]
+        assert bool(((want_ids[:, 0].numpy() == tokens) | (gap.numpy() < 1e-5)).all())
 
 
 def test_stage_rerun_is_a_no_op_and_a_changed_config_is_refused(tiny_target_dir, chat_file, tmp_path):
@@ -250,6 +253,7 @@ def test_source_answers_are_kept_and_scored_instead_of_regenerated(tiny, tiny_ta
     kept = [i for i in by_id if i.startswith("c")]  # the records with an assistant answer
     assert kept and all(by_id[i]["answers"] == "source" for i in kept)
     assert all(r["answers"] == "target" for i, r in by_id.items() if i not in kept)
+    assert all(len(r["topk_ids"]) == sum(r["loss_mask"]) for r in by_id.values())
     eot = end_of_turn_id(tiny.tokenizer, [tiny.tokenizer.eos_token_id])
     want = encode(tiny.tokenizer, "old answer") + [eot]
     for i in kept:
