@@ -21,6 +21,7 @@ from pipeline.config import GenerateConfig
 from pipeline.data.chat import eos_token_ids, first_prompt_ids
 from pipeline.data.generate import regenerate, topk_logits
 from pipeline.data.sources import load_conversations
+from pipeline.decode.decoder import left_pad
 from pipeline.models import load_target
 
 
@@ -41,8 +42,6 @@ def hf_generate_batch1(target, prompts: list[list[int]], max_new_tokens: int) ->
 
 def hf_generate_batched(target, prompts: list[list[int]], max_new_tokens: int, batch_size: int) -> tuple[int, float]:
     """transformers' generate on left-padded, length-sorted batches."""
-    from pipeline.decode.decoder import left_pad
-
     eos = eos_token_ids(target.model, target.tokenizer)
     pad = target.tokenizer.pad_token_id
     order = sorted(prompts, key=len, reverse=True)

@@ -70,8 +70,9 @@ def generate_answers(
 
     Decoding is our own plain decoder's (pipeline.decode), which follows the decoder's
     contract (temperature and top-p only) and on CPU runs 1.1-1.3x faster than transformers'
-    batched generate with the same greedy outputs (make bench-generate): its key/value cache is written in place, and a
-    finished row leaves the batch instead of decoding padding until the longest answer ends.
+    batched generate with the same greedy outputs (make bench-generate): its key/value cache
+    is written in place, and a finished row leaves the batch instead of decoding padding until
+    the longest answer ends.
     """
     order = sorted(range(len(contexts)), key=lambda i: len(contexts[i]), reverse=True)
     answers: list[list[int]] = [[] for _ in contexts]
