@@ -10,7 +10,8 @@ with the small-batch product (W @ x.T).T alone (decode/layout.py); with oneDNN's
 weights from 3 rows; and with SDPA's own grouped-query attention (decode/attention.py), which
 together are what `stage=eval` uses (eval.decode_layout=true). The draft column is one
 decoding step of a draft of the CPU recipe's shape (2 layers, an 8192-token LM head) under
-the same layout.
+the same layout, in fp32 and with its linear layers in int8 (layout.int8_linears, what
+`stage=eval` does to draft models on CPU by default, eval.draft_int8=true).
 """
 
 from __future__ import annotations
@@ -29,10 +30,12 @@ from pipeline.models import load_target
 WIDTHS = (1, 2, 3, 5, 9, 17)
 
 
-def recipe_draft(target: torch.nn.Module, *, small_batch: bool, grouped: bool) -> torch.nn.Module:
+def recipe_draft(target: torch.nn.Module, *, small_batch: bool, grouped: bool, int8: bool = False) -> torch.nn.Module:
     """The CPU recipe's draft shape (conf/draft/new.yaml): 2 layers, 8192-token vocabulary."""
     draft = new_draft(target, num_layers=2, init_layers=[0, -1]).eval()
     restrict_vocabulary(draft, torch.arange(8192))
+    if int8:
+        layout.int8_linears(draft)
     if small_batch:
         layout.decode_layout(draft)
     if grouped:
@@ -62,19 +65,19 @@ def main() -> None:
     full = copy.deepcopy(small)
     gqa_attention(full)
     default_min_rows, never = layout.ONEDNN_MIN_ROWS, layout.MAX_ROWS + 1
-    configs = [  # name, target, draft, oneDNN from
-        ("nn.Linear, sdpa (as loaded)", loaded, recipe_draft(loaded, small_batch=False, grouped=False),
-         default_min_rows),
-        ("(W @ x.T).T", small, recipe_draft(loaded, small_batch=True, grouped=False), never),
-        ("+ oneDNN from 3 rows", copy.deepcopy(small), recipe_draft(loaded, small_batch=True, grouped=False),
-         default_min_rows),
-        ("+ grouped-query SDPA (eval)", full, recipe_draft(loaded, small_batch=True, grouped=True), default_min_rows),
+    configs = [  # name, target, draft's small-batch product and grouped-query attention, oneDNN from
+        ("nn.Linear, sdpa (as loaded)", loaded, (False, False), default_min_rows),
+        ("(W @ x.T).T", small, (True, False), never),
+        ("+ oneDNN from 3 rows", copy.deepcopy(small), (True, False), default_min_rows),
+        ("+ grouped-query SDPA (eval)", full, (True, True), default_min_rows),
     ]
     steps = {}
-    for name, model, draft, min_rows in configs:
+    for name, model, (small_batch, grouped), min_rows in configs:
         for width in WIDTHS:
             steps[name, width] = with_onednn_from(min_rows, forward_step(model, width, args.context))
-        steps[name, "draft"] = with_onednn_from(min_rows, forward_step(draft, 1, args.context))
+        for int8 in (False, True):
+            draft = recipe_draft(loaded, small_batch=small_batch, grouped=grouped, int8=int8)
+            steps[name, "draft", int8] = with_onednn_from(min_rows, forward_step(draft, 1, args.context))
     seconds = median_seconds(steps, loaded, reps=args.reps)  # round-robin: drift touches all alike
     layout.ONEDNN_MIN_ROWS = default_min_rows
 
@@ -82,12 +85,13 @@ def main() -> None:
     print(f"\nembedded target, context {args.context}, {torch.get_num_threads()} threads, medians of {args.reps}; "
           f"v = forward time / the same layout's 1-token forward")
     head = " | ".join(f"v({w} tok)" for w in WIDTHS)
-    print(f"| layout | 1-token ms | vs as loaded | {head} | 2-layer draft step |")
-    print("|---|---:|---:|" + "---:|" * len(WIDTHS) + "---:|")
+    print(f"| layout | 1-token ms | vs as loaded | {head} | 2-layer draft step | int8 draft step |")
+    print("|---|---:|---:|" + "---:|" * len(WIDTHS) + "---:|---:|")
     for name, *_ in configs:
         one = seconds[name, 1]
         vs = " | ".join(f"{seconds[name, w] / one:.2f}" for w in WIDTHS)
-        print(f"| {name} | {one * 1e3:.1f} | {base / one:.2f}x | {vs} | {seconds[name, 'draft'] / one:.3f} |")
+        print(f"| {name} | {one * 1e3:.1f} | {base / one:.2f}x | {vs} | {seconds[name, 'draft', False] / one:.3f} "
+              f"| {seconds[name, 'draft', True] / one:.3f} |")
 
 
 if __name__ == "__main__":

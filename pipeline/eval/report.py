@@ -36,6 +36,8 @@ def markdown(report: dict[str, Any]) -> str:
         f"{report['dtype']} on {report['device']}. Target fingerprint `{report['target']['fingerprint'][:16]}`.",
         *([f"Chains of draft models, eagle and early_exit end at a token drafted with probability below "
            f"{report['confidence_threshold']} (k is the longest chain)."] if report.get("confidence_threshold") else []),
+        *([f"Linear layers in int8 (dynamic activations) for {', '.join(report['int8_drafts'])}; other drafts in "
+           f"{report['dtype']}."] if report.get("int8_drafts") else []),
         "",
         f"Baselines: our plain decoding {report['baselines']['plain']['tokens_per_s']:.2f} tokens/s, "
         f"HF `generate` {report['baselines']['hf_generate']['tokens_per_s']:.2f} tokens/s "

@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 from pipeline.config import Config
 from pipeline.data.chat import eos_token_ids, first_prompt_ids, load_chat_data
 from pipeline.decode.attention import gqa_attention
-from pipeline.decode.layout import decode_layout
+from pipeline.decode.layout import decode_layout, int8_linears, is_int8
 from pipeline.distill.draft import check_vocabulary, read_draft_vocab, restrict_vocabulary
 from pipeline.errors import PipelineError
 from pipeline.eval.measure import (
@@ -100,9 +100,11 @@ def find_heads(cfg: Config, target: Target) -> dict[str, torch.nn.Module]:
 
 
 def prepare_for_decoding(model: torch.nn.Module, drafts: dict[str, torch.nn.Module], *, layout: bool,
-                         compare_hf: bool, heads: Optional[dict[str, torch.nn.Module]] = None):
+                         compare_hf: bool, heads: Optional[dict[str, torch.nn.Module]] = None,
+                         int8: tuple[str, ...] = ()):
     """Prepare the target and drafts for our decoder, in place: drafts with a draft vocabulary
-    keep only its LM-head rows (distill/draft.py), and on CPU with `layout` every linear layer
+    keep only its LM-head rows (distill/draft.py), the drafts named in `int8` run their CPU
+    linear layers in int8 (decode/layout.py), and on CPU with `layout` every linear layer
     runs few-row inputs through the small-batch product (decode/layout.py) and grouped-query
     attention reads the cache without copying it per head (decode/attention.py).
 
@@ -112,11 +114,14 @@ def prepare_for_decoding(model: torch.nn.Module, drafts: dict[str, torch.nn.Modu
     layout = layout and next(model.parameters()).device.type == "cpu"
     restricted = {name for name, d in drafts.items() if getattr(d, "draft_to_target", None) is not None}
     hf_model = copy.deepcopy(model) if layout else model
-    hf_drafts = {name: copy.deepcopy(d) if layout or name in restricted else d
+    hf_drafts = {name: copy.deepcopy(d) if layout or name in restricted or name in int8 else d
                  for name, d in drafts.items()} if compare_hf else {}
     for name in restricted:
         restrict_vocabulary(drafts[name], drafts[name].draft_to_target)
         log.info("%s proposes from its draft vocabulary of %d tokens", name, len(drafts[name].draft_to_target))
+    for name in int8:
+        if changed := int8_linears(drafts[name]):
+            log.info("%s: %d linear layers in int8 (dynamic activations)", name, changed)
     if layout:
         moved = sum(decode_layout(m) for m in (model, *drafts.values(), *(heads or {}).values()))
         grouped = sum(gqa_attention(m) for m in (model, *drafts.values()))
@@ -167,11 +172,15 @@ def run(cfg: Config) -> Path:
     heads = find_heads(cfg, target)
     run_heads = list(heads)
     drafts, bundle_k = find_drafts(cfg, target, heads)
+    int8 = tuple(drafts) if ev.draft_int8 else ()
+    if ev.draft_int8 and ev.compare_draft_fp32:
+        drafts.update({f"{name}:fp32": copy.deepcopy(d) for name, d in list(drafts.items())})
+        bundle_k.update({f"{name}:fp32": k for name, k in list(bundle_k.items()) if name in int8})
     tok = target.tokenizer
     data = load_chat_data(cfg.data, tok)
     convs = data.conversations[: ev.max_prompts]
     hf_model, hf_drafts = prepare_for_decoding(target.model, drafts, layout=ev.decode_layout, compare_hf=ev.compare_hf,
-                                               heads=heads)
+                                               heads=heads, int8=int8)
     settings = Settings(model=target.model, tokenizer=tok, eos_ids=set(eos_token_ids(target.model, tok)),
                         max_new_tokens=ev.max_new_tokens, temperature=ev.temperature, top_p=ev.top_p,
                         seed=cfg.seed, ngram_max=ev.ngram_max, ngram_min=ev.ngram_min, hf_model=hf_model,
@@ -284,7 +293,7 @@ def run(cfg: Config) -> Path:
         temperature=ev.temperature, top_p=ev.top_p, batch_size=ev.batch_size,
         device=str(target.device), dtype=str(next(target.model.parameters()).dtype).replace("torch.", ""),
         threads=torch.get_num_threads(), sweep_prompts=ev.sweep_prompts,
-        confidence_threshold=ev.confidence_threshold,
+        confidence_threshold=ev.confidence_threshold, int8_drafts=[n for n in int8 if is_int8(drafts[n])],
         baselines=dict(plain=dict(tokens_per_s=plain.total.tokens_per_s, tokens=plain.total.tokens,
                                   seconds=plain.total.seconds),
                        hf_generate=dict(tokens_per_s=hf.total.tokens_per_s, tokens=hf.total.tokens,

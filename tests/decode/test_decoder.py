@@ -318,3 +318,38 @@ def test_gqa_attention_reads_the_cache_without_copies(monkeypatch):
             outputs[name + "_copies"] = len(copies)
     torch.testing.assert_close(outputs["gqa"], outputs["sdpa"], rtol=1e-5, atol=1e-5)
     assert outputs["sdpa_copies"] == 2 * 2 and outputs["gqa_copies"] == 0  # keys and values, each layer
+
+
+def test_int8_linears_keep_greedy_outputs():
+    """eval runs a draft's CPU linear layers in int8 (decode/layout.py): its logits move a
+    little, every linear layer (the tied LM head once) changes, nothing else does, and greedy
+    speculative decoding with it still emits exactly the target's plain greedy tokens."""
+    from pipeline.decode.layout import decode_layout, int8_linears
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+                         initializer_range=0.3)  # large weights: varied text, not one token repeated
+    target = LlamaForCausalLM(config).eval()
+    draft = copy.deepcopy(target)  # the target a little perturbed: accepted runs and rejections
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(torch.randn_like(p) * 0.03)
+    ids = torch.tensor([[3, 7, 1, 9, 3, 7, 2]])
+    with torch.inference_mode():
+        before = draft(ids).logits
+    assert int8_linears(draft) == 2 * 7 + 1
+    assert int8_linears(draft) == 0 and decode_layout(draft) == 0  # nothing left to change
+    assert not any(type(m) is torch.nn.Linear for m in draft.modules())
+    assert isinstance(draft.model.embed_tokens, torch.nn.Embedding)  # embeddings stay fp32
+    with torch.inference_mode():
+        after = draft(ids).logits
+    assert not torch.equal(after, before)
+    torch.testing.assert_close(after, before, rtol=0.0, atol=0.1 * before.abs().max().item())
+    prompts = [[3, 7, 1, 9, 3, 7], [5, 2]]
+    for k in (1, 4):
+        spec = speculative_decode(target, ModelDrafter(draft), prompts, num_draft_tokens=k, max_new_tokens=30,
+                                  eos_ids={EOS}, pad_id=PAD)
+        plain = plain_decode(target, prompts, max_new_tokens=30, eos_ids={EOS}, pad_id=PAD)
+        assert spec.tokens == plain.tokens
+        assert sum(spec.accepted_by_position) > 0 and spec.accepted_by_position[0] < spec.proposed_by_position[0]

@@ -13,6 +13,7 @@ from scipy.stats import chisquare
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from pipeline.decode import ModelDrafter, NgramDrafter, speculative_decode
+from pipeline.decode.layout import int8_linears
 from pipeline.decode.sampling import accept_sampling, process_logits
 from pipeline.distill.draft import restrict_vocabulary
 from pipeline.heads import build_heads, heads_drafter
@@ -115,6 +116,7 @@ def random_heads(kind: str, target):
     ("draft_model", 3, 1.0, 1.0, 0.6),  # chains end at a sampled token of draft probability < 0.6
     ("ngram", 3, 1.0, 1.0, 0.0),
     ("draft_vocab", 2, 1.0, 1.0, 0.0),  # a draft proposing from 4 of the 6 tokens
+    ("draft_int8", 3, 1.0, 1.0, 0.0),  # a draft whose linear layers run in int8 (eval's CPU default)
     ("medusa", 2, 1.0, 1.0, 0.0),
     ("eagle", 3, 0.8, 0.95, 0.0),
     ("eagle", 3, 1.0, 1.0, 0.3),
@@ -134,6 +136,8 @@ def test_speculative_sampling_matches_the_target_distribution(drafter_kind, k, t
         draft = sharp_llama(7, scale=15.0)
         if drafter_kind == "draft_vocab":
             restrict_vocabulary(draft, torch.tensor([0, 2, 3, 5]))
+        if drafter_kind == "draft_int8":
+            assert int8_linears(draft) > 0
         drafter = ModelDrafter(draft, temperature, top_p, gen, confidence_threshold=threshold)
     # One batch of n identical prompts: rows are independent samples that accept different lengths.
     out = speculative_decode(target, drafter, [prompt] * n, num_draft_tokens=k, max_new_tokens=length,

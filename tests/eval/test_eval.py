@@ -104,6 +104,23 @@ def test_confidence_threshold_is_applied_and_reported(tiny_target_dir, draft_dir
     assert "probability below 0.99" in (out / "report.md").read_text()
 
 
+def test_int8_draft_and_its_fp32_twin_are_both_measured(tiny_target_dir, draft_dir, prompts_file, tmp_path, caplog):
+    """On CPU a draft model runs in int8 by default; compare_draft_fp32 measures the same weights
+    in fp32 beside it, both lossless, each with its own cost line."""
+    cfg = compose_config(*eval_overrides(tiny_target_dir, prompts_file, tmp_path, f"eval.draft={draft_dir}",
+                                         "eval.num_draft_tokens=2", "eval.compare_draft_fp32=true",
+                                         "eval.ngram=false"), stage="eval")
+    with caplog.at_level("INFO", logger="pipeline.eval.stage"):
+        report = json.loads((evaluation.run(cfg) / "report.json").read_text())
+    assert set(report["methods"]) == {"plain", "draft_model", "draft_model:fp32"}
+    for name in ("draft_model", "draft_model:fp32"):
+        assert report["methods"][name]["lossless"] is True
+        assert report["costs"]["draft_cost_ratio"][name] > 0
+    assert "draft_model: 8 linear layers in int8" in caplog.text  # 1 layer of 7 projections, the LM head
+    assert "draft_model:fp32: " not in caplog.text
+    assert report["int8_drafts"] == ["draft_model"]
+
+
 def test_eval_finds_the_runs_distilled_draft(tiny_target_dir, draft_dir, prompts_file, tmp_path):
     import shutil
 
