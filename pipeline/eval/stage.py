@@ -103,8 +103,8 @@ def prepare_for_decoding(model: torch.nn.Module, drafts: dict[str, torch.nn.Modu
                          compare_hf: bool, heads: Optional[dict[str, torch.nn.Module]] = None,
                          int8: tuple[str, ...] = ()):
     """Prepare the target and drafts for our decoder, in place: drafts with a draft vocabulary
-    keep only its LM-head rows (distill/draft.py), the drafts named in `int8` run their CPU
-    linear layers in int8 (decode/layout.py), and on CPU with `layout` every linear layer
+    keep only its LM-head rows (distill/draft.py), the drafts and heads named in `int8` run
+    their own CPU linear layers in int8 (decode/layout.py), and on CPU with `layout` every linear layer
     runs few-row inputs through the small-batch product (decode/layout.py) and grouped-query
     attention reads the cache without copying it per head (decode/attention.py).
 
@@ -120,7 +120,7 @@ def prepare_for_decoding(model: torch.nn.Module, drafts: dict[str, torch.nn.Modu
         restrict_vocabulary(drafts[name], drafts[name].draft_to_target)
         log.info("%s proposes from its draft vocabulary of %d tokens", name, len(drafts[name].draft_to_target))
     for name in int8:
-        if changed := int8_linears(drafts[name]):
+        if changed := int8_linears(drafts[name] if name in drafts else heads[name]):
             log.info("%s: %d linear layers in int8 (dynamic activations)", name, changed)
     if layout:
         moved = sum(decode_layout(m) for m in (model, *drafts.values(), *(heads or {}).values()))
@@ -172,9 +172,11 @@ def run(cfg: Config) -> Path:
     heads = find_heads(cfg, target)
     run_heads = list(heads)
     drafts, bundle_k = find_drafts(cfg, target, heads)
-    int8 = tuple(drafts) if ev.draft_int8 else ()
+    # Early exit's draft is mostly the target's own layers, which stay exact: its heads stay fp32.
+    int8 = (*drafts, *(n for n, h in heads.items() if h.kind != "early_exit")) if ev.draft_int8 else ()
     if ev.draft_int8 and ev.compare_draft_fp32:
-        drafts.update({f"{name}:fp32": copy.deepcopy(d) for name, d in list(drafts.items())})
+        for found in (drafts, heads):
+            found.update({f"{name}:fp32": copy.deepcopy(d) for name, d in list(found.items()) if name in int8})
         bundle_k.update({f"{name}:fp32": k for name, k in list(bundle_k.items()) if name in int8})
     tok = target.tokenizer
     data = load_chat_data(cfg.data, tok)
@@ -293,7 +295,7 @@ def run(cfg: Config) -> Path:
         temperature=ev.temperature, top_p=ev.top_p, batch_size=ev.batch_size,
         device=str(target.device), dtype=str(next(target.model.parameters()).dtype).replace("torch.", ""),
         threads=torch.get_num_threads(), sweep_prompts=ev.sweep_prompts,
-        confidence_threshold=ev.confidence_threshold, int8_drafts=[n for n in int8 if is_int8(drafts[n])],
+        confidence_threshold=ev.confidence_threshold, int8_drafts=[n for n in int8 if is_int8({**drafts, **heads}[n])],
         baselines=dict(plain=dict(tokens_per_s=plain.total.tokens_per_s, tokens=plain.total.tokens,
                                   seconds=plain.total.seconds),
                        hf_generate=dict(tokens_per_s=hf.total.tokens_per_s, tokens=hf.total.tokens,

@@ -3,7 +3,8 @@ once and cached to disk in fp16 shards, so every later epoch costs only the head
 
 `runs/<run>/heads/features/<key>/` holds `shard-NNNNN.safetensors` (one tensor per example,
 [T, n_layers * H] fp16, named by the example's index) and `meta.json`. The key hashes what
-decides the values: target, layers, data, max_length, bf16. Each shard is written
+decides the values: target, layers, data, max_length, bf16; a head needing fewer layers
+reads an existing cache that holds them (find_cache). Each shard is written
 atomically and never redone, so a killed caching run resumes where it stopped. The disk it
 will take is printed before it starts.
 """
@@ -30,6 +31,22 @@ def cache_dir(heads_root: Path, fingerprint: str, layers: list[int], data_key: s
     key = json.dumps(dict(target=fingerprint, layers=layers, data=data_key, max_length=max_length, bf16=bf16),
                      sort_keys=True)
     return heads_root / "features" / hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def find_cache(heads_root: Path, fingerprint: str, layers: list[int], data_key: str, max_length: int,
+               bf16: bool) -> tuple[Path, list[int]]:
+    """The cache folder for `layers` and the layers it holds: a cache already on disk for the
+    same target, data, max_length and bf16 whose layers include `layers` (EAGLE's layers
+    include the last, all Medusa needs), else this key's own folder."""
+    own = cache_dir(heads_root, fingerprint, layers, data_key, max_length, bf16)
+    if (own / "meta.json").is_file():
+        return own, layers
+    for meta in sorted((heads_root / "features").glob("*/meta.json")):
+        held = json.loads(meta.read_text()).get("layers", [])
+        if set(layers) <= set(held) and cache_dir(heads_root, fingerprint, held, data_key, max_length,
+                                                  bf16) == meta.parent:
+            return meta.parent, held
+    return own, layers
 
 
 class FeatureCache:

@@ -34,7 +34,7 @@ from pipeline.distill.stage import answer_tokens, load_state, lr_lambda, save_st
 from pipeline.distributed import native_bf16
 from pipeline.errors import PipelineError
 from pipeline.heads.models import build_heads, feature_indices, own_state, save_heads
-from pipeline.heads.cache import FeatureCache, cache_dir
+from pipeline.heads.cache import FeatureCache, find_cache
 from pipeline.heads.train import HeadsForTraining, Terms, target_layers, target_view, view_from_hidden
 from pipeline.runs import MANIFEST, atomic_dir, hash_tree, stage_dir, write_manifest
 from pipeline.tracking import start_tracker
@@ -185,9 +185,11 @@ def run(cfg: Config) -> Path:
     if hc.features == "offline":
         layers_needed = target_layers(target_model, layers)
         data_key = json.dumps(gen_manifest.get("outputs"), sort_keys=True) + f"/heldout={hc.eval_fraction}"
-        cache = FeatureCache(cache_dir(stage_dir(cfg.runs_dir, cfg.run, STAGE), fingerprint, layers_needed, data_key,
-                                       hc.max_length, hc.target_bf16),
-                             layers_needed, target_model.config.hidden_size, hc.cache_shard_size)
+        folder, cached = find_cache(stage_dir(cfg.runs_dir, cfg.run, STAGE), fingerprint, layers_needed, data_key,
+                                    hc.max_length, hc.target_bf16)
+        if cached != layers_needed:
+            log.info("heads: layers %s read from the feature cache of layers %s (%s)", layers_needed, cached, folder.name)
+        cache = FeatureCache(folder, cached, target_model.config.hidden_size, hc.cache_shard_size)
         if main:
             cache.build(target_model, train, pad_id, hc.batch_size, hc.target_bf16)
         accelerator.wait_for_everyone()

@@ -1,6 +1,8 @@
 """Heads drafting through our decoder: greedy output equals plain greedy decoding, and
 sampling emits the target's own distribution, for medusa, eagle and early_exit."""
 
+import copy
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -99,6 +101,32 @@ def test_greedy_trees_match_plain_decoding(kind, budget):
     out = tree_decode(target, heads_drafter(heads, target), prompts, budget=budget, **common)
     assert out.tokens == plain_decode(target, prompts, **common).tokens
     assert out.proposed_by_position[0] > 0
+
+
+@pytest.mark.parametrize("kind", ["medusa", "eagle"])
+def test_int8_heads_keep_greedy_outputs_and_leave_the_target_alone(kind):
+    """eval runs Medusa and EAGLE heads' own linear layers in int8 on CPU: their proposals
+    move a little, the target (whose embeddings and norms the heads borrow) is untouched, and
+    chains and trees still emit exactly the target's plain greedy tokens."""
+    from pipeline.decode.layout import int8_linears, is_int8
+    from pipeline.decode.tree import tree_decode
+
+    target = tiny_target()
+    before = {n: p.clone() for n, p in target.state_dict().items()}
+    heads = random_heads(kind, target, torch.randperm(40, generator=torch.Generator().manual_seed(3))[:30])
+    fp32 = copy.deepcopy(heads)
+    own = sum(type(m) is torch.nn.Linear for m in heads.modules())
+    assert int8_linears(heads) == own and is_int8(heads) and not is_int8(target)
+    assert all(torch.equal(p, before[n]) for n, p in target.state_dict().items())
+    prompts = [[1, 5, 9, 2], [7, 3]]
+    common = dict(max_new_tokens=24, eos_ids={39}, pad_id=0)
+    plain = plain_decode(target, prompts, **common).tokens
+    chains = {name: speculative_decode(target, heads_drafter(h, target), prompts, num_draft_tokens=3, **common)
+              for name, h in (("int8", heads), ("fp32", fp32))}
+    assert chains["int8"].tokens == plain == chains["fp32"].tokens
+    assert chains["int8"].proposed_by_position[0] > 0
+    tree = tree_decode(target, heads_drafter(heads, target), prompts, budget=6, **common)
+    assert tree.tokens == plain
 
 
 def test_a_tree_step_keeps_exactly_the_accepted_paths_kv_entries():

@@ -77,6 +77,7 @@ def test_every_kind_trains_and_eval_reports_it(tiny_target_dir, generated, tmp_p
         assert method["drafter"] == kind and method["lossless"] is True, kind
         assert method["tau"] >= 1.0 and report["costs"]["draft_cost_ratio"][kind] > 0
     assert not any(kind in name for kind in positions for name in report["hf_methods"])
+    assert sorted(report["int8_drafts"]) == ["eagle", "medusa"]  # early exit runs the target's own layers
 
 
 def test_training_lowers_the_loss_and_raises_the_heldout_acceptance(tiny_target_dir, generated, tmp_path):
@@ -203,3 +204,20 @@ def test_offline_features_train_like_online_and_resume_by_shard(tiny_target_dir,
                                               "heads.cache_shard_size=4", "heads.resume=false"), stage="heads"))
     assert shards[0].is_file() and all(p.stat().st_mtime_ns == t for p, t in stamp.items() if p != shards[0])
     assert f"{len(shards) - 1} of {len(shards)} shards already there" in capsys.readouterr().out
+
+
+def test_medusa_reads_the_cache_eagle_built(tiny_target_dir, generated, tmp_path, capsys):
+    """EAGLE's cached layers include the last, all Medusa needs: Medusa trains from that cache
+    (no second target pass over the data) to the weights its own cache gives."""
+    offline = ("heads.features=offline", "heads.cache_shard_size=4")
+    runs = fresh_run(generated, tmp_path / "a")
+    heads_stage.run(compose_config(*overrides(tiny_target_dir, runs, "eagle", *offline), stage="heads"))
+    capsys.readouterr()
+    shared = heads_stage.run(compose_config(*overrides(tiny_target_dir, runs, "medusa", *offline), stage="heads"))
+    assert "3 of 3 shards already there" in capsys.readouterr().out
+    assert len(list((runs / "h/heads/features").iterdir())) == 1
+    alone = heads_stage.run(compose_config(*overrides(tiny_target_dir, fresh_run(generated, tmp_path / "b"), "medusa",
+                                                      *offline), stage="heads"))
+    a, b = load_file(shared / "heads.safetensors"), load_file(alone / "heads.safetensors")
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=1e-4, atol=1e-6)
