@@ -175,10 +175,11 @@ class EvalConfig:
     """medusa_tree: the static tree as Medusa's choices (paths of candidate ranks per head,
     e.g. [[0], [1], [0, 0]]); default: the most promising paths for each budget."""
     draft_int8: bool = True
-    """On CPU, draft models (the distilled draft, eval.draft, a bundle's) and Medusa / EAGLE heads
-    run their own linear layers in int8 with activations quantized per call
-    (pipeline/decode/layout.py): a draft step costs less, the target still verifies every token
-    (lossless either way). Early exit stays fp32 (its draft is mostly the target's layers). false: fp32."""
+    """On CPU, draft models (the distilled draft, eval.draft, a bundle's) and Medusa heads run
+    their own linear layers in int8 with activations quantized per call (pipeline/decode/layout.py):
+    a draft step costs less, the target still verifies every token (lossless either way). EAGLE
+    stays fp32 (it feeds its own features back, so the error compounds and τ drops), as does early
+    exit (its draft is mostly the target's layers). false: everything fp32."""
     compare_draft_fp32: bool = False
     """With draft_int8, also measure each int8 draft model and head as it is in fp32, as `<name>:fp32`."""
     compare_hf: bool = False

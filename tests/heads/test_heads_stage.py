@@ -77,7 +77,7 @@ def test_every_kind_trains_and_eval_reports_it(tiny_target_dir, generated, tmp_p
         assert method["drafter"] == kind and method["lossless"] is True, kind
         assert method["tau"] >= 1.0 and report["costs"]["draft_cost_ratio"][kind] > 0
     assert not any(kind in name for kind in positions for name in report["hf_methods"])
-    assert sorted(report["int8_drafts"]) == ["eagle", "medusa"]  # early exit runs the target's own layers
+    assert report["int8_drafts"] == ["medusa"]  # EAGLE's error would compound; early exit is the target's layers
 
 
 def test_training_lowers_the_loss_and_raises_the_heldout_acceptance(tiny_target_dir, generated, tmp_path):
