@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import errno
 import importlib
 import logging
 import os
 import sys
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Optional
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
@@ -74,10 +75,34 @@ def run_stages(cfg: Config) -> None:
         configs = [(cfg.stage, cfg)]
     else:
         fail(f"unknown stage {cfg.stage!r}; choose one of: {', '.join([*STAGES, 'all'])}", code=2)
-    for name, stage_cfg in configs:
-        log.info("stage %s, run %s", name, stage_cfg.run)
-        out = STAGES[name](stage_cfg)
-        log.info("stage %s finished: %s", name, out)
+    with run_lock(cfg):
+        for name, stage_cfg in configs:
+            log.info("stage %s, run %s", name, stage_cfg.run)
+            out = STAGES[name](stage_cfg)
+            log.info("stage %s finished: %s", name, out)
+
+
+def run_lock(cfg: Config):
+    """The run folder's lock, held by the one process that narrates (rank 0) while stages write:
+    a second command on the same run gets a one-line error instead of interleaved shards."""
+    from contextlib import nullcontext
+
+    from pipeline.files import locked
+    from pipeline.runs import run_dir
+
+    if int(os.environ.get("RANK", "0")) > 0:
+        return nullcontext()
+    return locked(run_dir(cfg.runs_dir, cfg.run), f"stage {cfg.stage}", hint="choose another run=<name>")
+
+
+# What an OSError means for the user, where it names a path: one line instead of a traceback.
+WRITE_ERRORS = {
+    errno.EACCES: "make it writable or choose another folder (runs_dir=, SPECDRAFT_CACHE)",
+    errno.EPERM: "make it writable or choose another folder (runs_dir=, SPECDRAFT_CACHE)",
+    errno.EROFS: "choose a folder on a writable file system (runs_dir=, SPECDRAFT_CACHE)",
+    errno.ENOSPC: "free some space or choose another folder (runs_dir=, SPECDRAFT_CACHE)",
+    errno.EDQUOT: "free some space or choose another folder (runs_dir=, SPECDRAFT_CACHE)",
+}
 
 
 @hydra.main(version_base=None, config_path=CONF_DIR, config_name="config")
@@ -95,6 +120,10 @@ def main(dict_cfg: DictConfig) -> None:
         run_stages(cfg)
     except PipelineError as e:
         fail(str(e))
+    except OSError as e:
+        if e.errno not in WRITE_ERRORS or not e.filename:
+            raise
+        fail(f"cannot write {e.filename}: {e.strerror}; {WRITE_ERRORS[e.errno]}")
     _quiet_exit_if_distributed()  # only after success: a crash must keep its traceback and exit code
 
 
@@ -114,10 +143,35 @@ def check_overrides(argv: list[str]) -> None:
     """Compose the config once before Hydra does, to report a bad override in one line.
 
     Hydra's own report spans several lines; this check covers plain `key=value` overrides
-    and leaves anything with Hydra flags (--cfg, --multirun, ...) to Hydra.
+    and leaves anything with Hydra flags (--cfg, --multirun, ...) to Hydra. It also checks,
+    before Hydra writes its log into `<runs_dir>/<run>/logs/`, that the run is a name and its
+    folder can be written.
     """
     if any(a.startswith("-") for a in argv):
         return
+    composed = compose_overrides(argv)
+    if composed is None or OmegaConf.is_missing(composed, "stage"):
+        return  # main says which stage to choose
+    try:
+        cfg = to_config(composed)
+    except Exception as e:  # a __post_init__ check
+        fail(f"bad config: {' '.join(str(e).split())}", code=2)
+    check_writable(Path(cfg.runs_dir) / cfg.run)
+
+
+def check_writable(folder: Path) -> None:
+    """The run folder can be created and written (a probe file, created and deleted)."""
+    from pipeline.files import remove, temp_file
+
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        remove(temp_file(folder, ".write-check-"))
+    except OSError as e:
+        fail(f"cannot write the run folder {folder}: {e.strerror or e}; choose a writable runs_dir=<folder>")
+
+
+def compose_overrides(argv: list[str]) -> Optional[DictConfig]:
+    """The config these overrides compose, or a one-line error (exit 2) saying what is wrong."""
     from hydra import compose, initialize_config_dir
     from hydra.errors import HydraException, MissingConfigException
     from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
@@ -125,7 +179,7 @@ def check_overrides(argv: list[str]) -> None:
     overrides = [a for a in argv if not a.startswith("hydra.")]
     try:
         with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
-            compose(config_name="config", overrides=overrides)
+            return compose(config_name="config", overrides=overrides)
     except (HydraException, OmegaConfBaseException) as e:
         cause = e.__cause__ if isinstance(e.__cause__, OmegaConfBaseException) else e
         key = getattr(cause, "full_key", None)
@@ -140,6 +194,7 @@ def check_overrides(argv: list[str]) -> None:
         if key:
             fail(f"bad value for {key}: {str(getattr(cause, 'msg', None) or cause).splitlines()[0]}", code=2)
         fail(str(e).splitlines()[0], code=2)
+    return None
 
 
 def quiet_library_progress_bars() -> None:

@@ -8,7 +8,9 @@ composed config into these dataclasses.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+import re
+from dataclasses import dataclass, field, fields
 from typing import Optional
 
 from hydra.core.config_store import ConfigStore
@@ -18,6 +20,25 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 DATA_SOURCES = ("sharegpt", "mtbench", "file")
 SPLITS = ("train", "eval", "all")
 LOGGERS = ("none", "wandb")
+
+
+RUN_NAME = re.compile(r"[A-Za-z0-9_.-]+")
+DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?|mps|xpu(:\d+)?")
+
+
+def check_run_name(run: str) -> None:
+    """`run=` names one folder inside runs_dir: never a path that leads elsewhere."""
+    if not RUN_NAME.fullmatch(run) or run in (".", ".."):
+        raise ValueError(f"run={run!r} is not a run name: use letters, digits and -_. only "
+                         "(runs_dir=<folder> says where runs go)")
+
+
+def _check_finite(node: str, obj) -> None:
+    """NaN and infinity pass every comparison check silently; no setting means them."""
+    for f in fields(obj):
+        value = getattr(obj, f.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"{node}.{f.name} must be a finite number, got {value}")
 
 
 def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
@@ -51,6 +72,8 @@ class TargetConfig:
 
     def __post_init__(self) -> None:
         _check_choice("target.dtype", self.dtype, DTYPES)
+        if not DEVICE.fullmatch(self.device):
+            raise ValueError(f"target.device={self.device!r} is not a device: auto, cpu, cuda or cuda:N")
 
 
 @dataclass
@@ -77,6 +100,7 @@ class DataConfig:
     """Regenerate at most this many user turns per conversation."""
 
     def __post_init__(self) -> None:
+        _check_finite("data", self)
         _check_choice("data.source", self.source, DATA_SOURCES)
         _check_choice("data.split", self.split, SPLITS)
         if self.source == "file" and not self.path:
@@ -114,9 +138,11 @@ class GenerateConfig:
     top-k logits (save_topk_logits) or the online teacher. Conversations without answers in the
     source are always regenerated."""
     overwrite: bool = False
-    """Start over when the run folder holds a generate stage with a different config."""
+    """Start over when the run folder holds a generate stage with a different config (a finished one
+    stays in place until the new one is complete)."""
 
     def __post_init__(self) -> None:
+        _check_finite("generate", self)
         for name in ("max_new_tokens", "batch_size", "shard_size", "max_length"):
             _check_positive(f"generate.{name}", getattr(self, name))
         if self.temperature < 0:
@@ -191,6 +217,7 @@ class EvalConfig:
     share the model as loaded."""
 
     def __post_init__(self) -> None:
+        _check_finite("eval", self)
         if self.num_draft_tokens != "auto" and not (str(self.num_draft_tokens).isdigit() and int(self.num_draft_tokens) > 0):
             raise ValueError(f"eval.num_draft_tokens must be auto or a positive integer, got {self.num_draft_tokens!r}")
         for name in ("max_new_tokens", "sweep_prompts", "batch_size", "ngram_max", "ngram_min", "max_prompts"):
@@ -218,7 +245,8 @@ class ExportConfig:
     """The export stage: the matched draft-target bundle of a run."""
 
     dir: Optional[str] = None
-    """Where to write the bundle (default runs/<run>/export); an existing bundle there is replaced."""
+    """Where to write the bundle (default runs/<run>/export). An existing bundle there is replaced
+    once the new one is complete; any other existing folder, and the run's own folders, are refused."""
     method: str = "draft_model"
     """What to export: draft_model (runs/<run>/distill) or trained heads medusa, eagle or
     early_exit (runs/<run>/heads/<kind>), each with the numbers eval measured for it."""
@@ -266,6 +294,7 @@ class DraftConfig:
     decoder computes only their LM-head rows, cutting the draft's cost). 0: the full vocabulary."""
 
     def __post_init__(self) -> None:
+        _check_finite("draft", self)
         _check_choice("draft.kind", self.kind, DRAFT_KINDS)
         if self.draft_vocab_size < 0:
             raise ValueError(f"draft.draft_vocab_size must be >= 0, got {self.draft_vocab_size}")
@@ -312,8 +341,13 @@ class TrainConfig:
     """Continue from the last checkpoint of an unfinished run."""
     deepspeed: Optional[str] = None
     """A DeepSpeed config in conf/deepspeed/ (zero2, zero3) or a JSON path; set by `make distill-multi DS=`."""
+    overwrite: bool = False
+    """Train under a new config although the run folder holds a finished result of another one:
+    the new run works beside it and replaces it only once complete. (A finished stage with the
+    same config is always left as it is; without overwrite one with another config is refused.)"""
 
     def _check_training(self, node: str) -> None:
+        _check_finite(node, self)
         _check_choice(f"{node}.precision", self.precision, PRECISIONS)
         for name in ("max_steps", "batch_size", "grad_accum", "max_length", "lr", "eval_every",
                      "max_eval_sequences", "save_every"):
@@ -445,6 +479,11 @@ class Config:
     heads: HeadsConfig = field(default_factory=HeadsConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
     logger: LoggerConfig = MISSING
+
+    def __post_init__(self) -> None:
+        check_run_name(self.run)
+        if not self.runs_dir.strip():
+            raise ValueError("runs_dir must name a folder")
 
 
 def register_configs() -> None:

@@ -14,7 +14,8 @@ from typing import Optional
 import torch
 
 from pipeline.errors import PipelineError
-from pipeline.runs import atomic_dir, atomic_write_json, sha256_file
+from pipeline.files import atomic_dir, atomic_write_json, own_dir
+from pipeline.runs import sha256_file
 
 log = logging.getLogger(__name__)
 
@@ -50,11 +51,28 @@ def cache_root(cache_dir: Optional[str] = None) -> Path:
 
 
 def resolve_device(device: str = "auto") -> torch.device:
-    if device != "auto":
-        return torch.device(device)
-    if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-    return torch.device("cpu")
+    """`device` as a torch.device, checked to exist here (a one-line error otherwise)."""
+    if device == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        return torch.device("cpu")
+    try:
+        chosen = torch.device(device)
+    except (RuntimeError, ValueError):
+        raise PipelineError(f"target.device={device!r} is not a device: auto, cpu, cuda or cuda:N") from None
+    if chosen.type == "cuda":
+        if not torch.cuda.is_available():
+            why = "this torch build has no CUDA" if torch.version.cuda is None else "no CUDA GPU is visible"
+            raise PipelineError(f"target.device={device} but {why}; use target.device=cpu (or auto)")
+        count = torch.cuda.device_count()
+        if chosen.index is not None and chosen.index >= count:
+            raise PipelineError(f"target.device={device} but this machine has {count} CUDA device(s): "
+                                f"cuda:0 to cuda:{count - 1}")
+    elif chosen.type != "cpu":
+        backend = getattr(torch, chosen.type, None)
+        if backend is None or not backend.is_available():
+            raise PipelineError(f"target.device={device} but no {chosen.type} device is available here")
+    return chosen
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
@@ -89,9 +107,20 @@ def convert_gguf(src_dir: Path, gguf_file: str, out_dir: Path) -> None:
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.load_state_dict(gguf_model.state_dict())
     model.generation_config = gguf_model.generation_config
-    with atomic_dir(out_dir) as tmp:
-        model.save_pretrained(tmp, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
+    try:
+        own_cache(out_dir.parent.parent)
+        with atomic_dir(out_dir, "target") as tmp:
+            model.save_pretrained(tmp, safe_serialization=True)
+            tokenizer.save_pretrained(tmp)
+    except OSError as e:
+        raise PipelineError(f"cannot write the converted target to {out_dir}: {e.strerror or e}; set "
+                            "SPECDRAFT_CACHE (or target.cache_dir) to a writable folder") from None
+
+
+def own_cache(root: Path) -> Path:
+    """The cache folder, ours (a cache from before markers holds targets/ or fingerprints.json)."""
+    return own_dir(root, "cache", hint="set SPECDRAFT_CACHE (or target.cache_dir) to another folder",
+                   adopt=lambda folder: (folder / "targets").is_dir() or (folder / "fingerprints.json").is_file())
 
 
 def local_target_folder(name_or_path: str, gguf_file: Optional[str], cache_dir: Path) -> Optional[Path]:
@@ -210,9 +239,13 @@ def fingerprint_folder(folder: Path, cache_dir: Path) -> str:
         raise PipelineError(f"no weight files in {folder} to fingerprint")
     fingerprint = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
 
-    index = _read_json(index_path)  # another process may have written meanwhile
-    index[str(folder)] = {"stat_key": stat_key, "fingerprint": fingerprint}
-    atomic_write_json(index_path, index)
+    try:  # only a shortcut for later stages: a read-only cache costs a re-hash, nothing else
+        own_cache(cache_dir)
+        index = _read_json(index_path)  # another process may have written meanwhile
+        index[str(folder)] = {"stat_key": stat_key, "fingerprint": fingerprint}
+        atomic_write_json(index_path, index)
+    except (OSError, PipelineError) as e:
+        log.info("fingerprint not cached (%s)", e)
     return fingerprint
 
 

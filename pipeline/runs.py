@@ -1,25 +1,27 @@
-"""The run folder: stage directories, atomic writes and manifests.
+"""The run folder: stage directories, manifests, plans and provenance.
 
 Stages hand off only through `runs/<run>/<stage>/`. A stage writes `manifest.json` last
 and atomically; a folder without one is an unfinished stage, which the next stage refuses
-and the stage itself resumes.
+and the stage itself resumes. Each manifest records the sha256 of the manifests it read
+(`consumed`), so a later stage can tell when an input was run again since (`check_consumed`).
+A finished stage is never rebuilt in place: `claim_stage` puts a new run beside it and
+`complete_claim` swaps it in once complete. Writes and deletions go through pipeline.files.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
 import sys
-import tempfile
 import time
-from contextlib import contextmanager
+from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Optional
 
+from pipeline.config import check_run_name
 from pipeline.errors import PipelineError
+from pipeline.files import MARKER, atomic_write_json, own_dir, recover_replace, remove, replace_dir
 
 MANIFEST = "manifest.json"
 TRACKED_PACKAGES = (
@@ -28,50 +30,17 @@ TRACKED_PACKAGES = (
 )
 
 
+PLAN = "plan.json"
+
+
 def stage_dir(runs_dir: str | Path, run: str, stage: str) -> Path:
+    check_run_name(run)
     return Path(runs_dir) / run / stage
 
 
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write via a temp file in the same folder and rename, so readers never see half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def atomic_write_json(path: Path, obj: Any) -> None:
-    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n")
-
-
-@contextmanager
-def atomic_dir(final: Path) -> Iterator[Path]:
-    """Yield a temp folder beside `final`; it becomes `final` only if the block succeeds."""
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=final.parent))
-    try:
-        yield tmp
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-
-
-def remove_stale_temp_dirs(folder: Path) -> int:
-    """Delete the leftovers of `atomic_dir` blocks whose process was killed."""
-    stale = list(folder.glob(".tmp-*")) if folder.is_dir() else []
-    for path in stale:
-        shutil.rmtree(path, ignore_errors=True)
-    return len(stale)
+def run_dir(runs_dir: str | Path, run: str) -> Path:
+    check_run_name(run)
+    return Path(runs_dir) / run
 
 
 def sha256_file(path: Path, chunk_size: int = 1 << 22) -> str:
@@ -145,3 +114,140 @@ def read_manifest(folder: Path, stage: str, run: Optional[str] = None, extra: st
     if manifest.get("stage") != stage or manifest.get("status") != "complete":
         raise PipelineError(f"{path} is not a complete {stage} manifest")
     return manifest
+
+
+def manifest_sha(folder: Path) -> Optional[str]:
+    path = folder / MANIFEST
+    return sha256_file(path) if path.is_file() else None
+
+
+def consumed(folder: Path) -> dict[str, str]:
+    """How a stage records a finished stage it read: its manifest's path and sha256."""
+    return {"manifest": str(folder / MANIFEST), "sha256": manifest_sha(folder)}
+
+
+def check_consumed(manifest: dict, name: str, folder: Path, *, who: Path, rerun: str) -> None:
+    """Refuse when the stage `name` (now in `folder`) is not the one the stage in `who` read:
+    it was run again since, so `who`'s result describes what is no longer there."""
+    recorded = manifest.get("inputs", {}).get(name, {}).get("sha256")
+    if recorded is None or recorded != manifest_sha(folder):
+        when = "changed since" if recorded else "is not recorded as its input (made before inputs were hashed)"
+        raise PipelineError(f"{who} was made from {folder}, which {when}; run `{rerun}` again")
+
+
+def _legacy(stage: str):
+    """A stage folder from before markers: it holds our manifest (or plan) of that stage."""
+    def adopt(folder: Path) -> bool:
+        try:
+            return json.loads((folder / MANIFEST).read_text()).get("stage") == stage
+        except (OSError, ValueError, AttributeError):
+            return (folder / PLAN).is_file()
+    return adopt
+
+
+def own_stage_dir(out: Path, stage: str) -> Path:
+    """A stage folder that the stage writes in place (eval): created and marked, or ours already."""
+    return own_dir(out, stage, hint="choose another run=<name>", adopt=_legacy(stage))
+
+
+def check_trained(manifest: dict, folder: Path, generate_dir: Path, run: str, extra: str = "") -> None:
+    """A distill or heads stage (in `folder`) still describes the run's generate stage: it was
+    trained on that generate manifest, not on one that was run again since."""
+    stage = manifest.get("stage", "distill")
+    check_consumed(manifest, "generate", generate_dir, who=folder,
+                   rerun=f"python -m pipeline stage={stage}{' ' + extra if extra else ''} run={run} "
+                         f"{stage}.overwrite=true")
+
+
+def aside_dir(out: Path) -> Path:
+    """Where a stage rebuilds a finished result it will replace: beside it, swapped in at the end."""
+    return out.with_name(f".next-{out.name}")
+
+
+@dataclass
+class Claim:
+    """Where a stage's run works: `folder` is `out` itself, or the folder beside it when `out`
+    holds a finished result that must stay valid until the new one is complete (`aside`)."""
+
+    out: Path
+    folder: Path
+    done: bool = False
+    """`out` already holds the finished result of this plan: nothing to do."""
+
+    @property
+    def aside(self) -> bool:
+        return self.folder != self.out
+
+
+def read_plan(folder: Path) -> Any:
+    try:
+        return json.loads((folder / PLAN).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def is_finished(folder: Path, stage: str) -> bool:
+    try:
+        manifest = json.loads((folder / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(manifest, dict) and manifest.get("stage") == stage and manifest.get("status") == "complete"
+
+
+def claim_stage(out: Path, stage: str, plan: Any, *, overwrite: bool, hint: str = "",
+                started: Optional[Callable[[Path], bool]] = None, restart: bool = False) -> Claim:
+    """Decide where this run of `stage` (its deciding inputs: `plan`) works, and make that folder ours.
+
+    - `out` finished under this plan: done, left as it is.
+    - `out` finished under another plan: refused unless `overwrite`; the new run then works
+      aside (resuming there when the aside folder holds this plan, unless `restart`) and
+      replaces `out` only when complete (complete_claim), so `out` stays valid meanwhile.
+    - `out` unfinished under this plan: resumed in place (`restart`: started afresh).
+    - `out` unfinished under another plan: refused when `started(out)` says work was done there,
+      unless `overwrite` or `restart`; otherwise started afresh in place.
+    `hint` adds the stage's own way out to a refusal.
+    """
+    key = f"{stage}.overwrite=true"
+    recover_replace(out, aside_dir(out))
+    own_stage_dir(out, stage)
+    finished, same = is_finished(out, stage), read_plan(out) == plan
+    if finished and same:
+        return Claim(out, out, done=True)
+    if finished:
+        if not overwrite:
+            raise PipelineError(f"{out} holds a finished {stage} stage with another config or data; choose "
+                                f"another run=<name> or add {key} (the finished one stays until the new one is "
+                                f"complete){hint}")
+        folder = aside_dir(out)
+        if is_finished(folder, stage) and read_plan(folder) == plan and not restart:
+            replace_dir(folder, out)  # killed between finishing aside and swapping it in
+            return Claim(out, out, done=True)
+        if folder.exists() and (read_plan(folder) != plan or restart):
+            remove(folder)
+        own_dir(folder, stage)
+    else:
+        folder = out
+        if not same or restart:
+            if not same and started is not None and started(out) and not (overwrite or restart):
+                raise PipelineError(f"{out} holds an unfinished {stage} stage with another config or data; "
+                                    f"choose another run=<name> or add {key} to start it over{hint}")
+            for entry in out.iterdir():  # afresh: every entry of our folder but its marker
+                if entry.name != MARKER:
+                    remove(entry)
+    atomic_write_json(folder / PLAN, plan)
+    return Claim(out, folder)
+
+
+def find_claim(out: Path, stage: str, plan: Any) -> Claim:
+    """The claim the main process made (claim_stage), as the other processes find it after it."""
+    if is_finished(out, stage) and read_plan(out) == plan:
+        return Claim(out, out, done=True)
+    aside = aside_dir(out)
+    return Claim(out, aside if is_finished(out, stage) and read_plan(aside) == plan else out)
+
+
+def complete_claim(claim: Claim) -> None:
+    """Put an aside run's finished folder in place of the old result (see claim_stage)."""
+    if claim.aside:
+        replace_dir(claim.folder, claim.out)
+

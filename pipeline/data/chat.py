@@ -72,11 +72,11 @@ def eos_token_ids(model, tokenizer) -> list[int]:
     return sorted(ids)
 
 
-def load_chat_data(data, tokenizer) -> LoadResult:
+def load_chat_data(data, tokenizer, max_context: Optional[int] = None) -> LoadResult:
     """The conversations a DataConfig selects; a first prompt longer than data.max_prompt_tokens
-    in this tokenizer's chat template is skipped as too long."""
+    (or than `max_context`) in this tokenizer's chat template is skipped and counted."""
     return load_conversations(
         data.source, data.path, split=data.split, eval_fraction=data.eval_fraction, limit=data.limit,
-        per_category=data.per_category, max_prompt_tokens=data.max_prompt_tokens,
+        per_category=data.per_category, max_prompt_tokens=data.max_prompt_tokens, max_context=max_context,
         prompt_length=lambda c: len(first_prompt_ids(tokenizer, c)),
     )

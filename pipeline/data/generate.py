@@ -11,10 +11,15 @@ Output (`runs/<run>/generate/`):
                    topk_ids, topk_logits  [G, k]         optional (generate.save_topk_logits=k):
                      the target's top-k raw logits (fp16) for each of the G generated tokens,
                      taken at the position that predicts it
-  manifest.json  written last
-While it runs, `shards/` holds finished shards (each written atomically); a killed run
-started again skips them, so no conversation is lost or generated twice. Under
-`accelerate launch --num_processes N` rank r takes shards r, r+N, ... and rank 0 merges.
+  plan.json      what decides the content (config, data, target); a rerun resumes only under it
+  manifest.json  written last; its skipped_records count every conversation left out, by reason
+                 (too_long_for_max_length: the first prompt leaves no room for an answer), and
+                 cut_turns the later turns generate.max_length cut
+While it runs, `shards/` holds finished shards (each written atomically, with dropped.json,
+the counts of what max_length left out); a killed run started again skips them, so no
+conversation is lost or generated twice. Under `accelerate launch --num_processes N` rank r
+takes shards r, r+N, ... and rank 0 merges. With generate.overwrite=true a finished stage of
+another config stays in place until the new one (built in `.next-generate/`) is complete.
 """
 
 from __future__ import annotations
@@ -23,7 +28,6 @@ import dataclasses
 import hashlib
 import json
 import logging
-import shutil
 import time
 from collections import Counter
 from pathlib import Path
@@ -41,8 +45,9 @@ from pipeline.decode.decoder import plain_decode
 from pipeline.distributed import process_state
 from pipeline.errors import PipelineError
 from pipeline.models import Target, load_target
+from pipeline.files import atomic_dir, atomic_write_json, own_dir, remove, remove_stale_temp_dirs
 from pipeline.runs import (
-    MANIFEST, atomic_dir, atomic_write_json, hash_tree, remove_stale_temp_dirs, stage_dir, write_manifest,
+    claim_stage, complete_claim, find_claim, hash_tree, stage_dir, write_manifest,
 )
 from pipeline.tracking import start_tracker
 
@@ -148,12 +153,14 @@ def regenerate(
     target_answers: float = 1.0,
     topk: int = 0,
     progress: Optional[Callable[[int, int], None]] = None,
+    dropped: Optional[Counter] = None,
 ) -> list[dict]:
     """Regenerate every turn of `conversations`; one row per conversation.
 
     Turn t of every conversation is generated in one batched call, so a later turn sees the
     target's own earlier answers. A conversation stops early when its next context plus
-    max_new_tokens would exceed max_length. Conversations chosen by keeps_source_answers keep
+    max_new_tokens would exceed max_length; `dropped` counts what that leaves out (turns cut,
+    and whole conversations whose first turn does not fit). Conversations chosen by keeps_source_answers keep
     the source's answers instead (cut to max_new_tokens; they end where the source's do).
     With topk > 0 a regenerated row also gets topk_ids / topk_logits [answer tokens, k] (numpy
     int32 / float16) from decoding; a source row gets them from topk_logits.
@@ -181,6 +188,9 @@ def regenerate(
             if len(ids[i]) + len(new) + max_new_tokens > max_length:
                 if progress:
                     progress(num_turns[i] - turn, 0)
+                if dropped is not None:
+                    dropped["turns_cut_by_max_length"] += num_turns[i] - turn
+                    dropped["too_long_for_max_length"] += turn == 0
                 num_turns[i] = turn  # no room for this turn: the conversation ends here
                 continue
             prompts.append(i)
@@ -256,29 +266,9 @@ def plan_key(cfg: Config, fingerprint: str) -> dict:
     }
 
 
-def prepare_folder(out: Path, plan: dict, overwrite: bool) -> bool:
-    """Make `out` ready for this plan; True when the stage is already complete."""
-    plan_path = out / "plan.json"
-    if plan_path.is_file() and json.loads(plan_path.read_text()) == plan:
-        remove_stale_temp_dirs(out / "shards")  # shards a killed process did not finish
-        return (out / MANIFEST).is_file()
-    started = (out / "shards").is_dir() and any((out / "shards").glob("shard-*"))
-    if plan_path.is_file() and (started or (out / MANIFEST).is_file()) and not overwrite:
-        raise PipelineError(
-            f"{out} holds a generate stage with a different config; choose another run=<name> "
-            "or add generate.overwrite=true to start it over"
-        )
-    if out.exists():
-        log.warning("starting %s over", out)
-        shutil.rmtree(out)
-    atomic_write_json(plan_path, plan)
-    return False
-
-
 def run(cfg: Config) -> Path:
     state = process_state()
     out = stage_dir(cfg.runs_dir, cfg.run, STAGE)
-    shards_dir = out / "shards"
     t0 = time.perf_counter()
 
     if cfg.data.source == "file":  # fail before the minutes a large target takes to load
@@ -286,14 +276,24 @@ def run(cfg: Config) -> Path:
     target = load_target(**dataclasses.asdict(cfg.target))
     fingerprint = target.fingerprint()
     plan = plan_key(cfg, fingerprint)
-    done = prepare_folder(out, plan, cfg.generate.overwrite) if state.is_main_process else None
+    if state.is_main_process:
+        claim = claim_stage(out, STAGE, plan, overwrite=cfg.generate.overwrite,
+                            started=lambda folder: any((folder / "shards").glob("shard-*")))
+        own_dir(claim.folder / "shards", "shards")
+        remove_stale_temp_dirs(claim.folder / "shards")  # shards a killed process did not finish
     state.wait_for_everyone()
-    if done or (out / MANIFEST).is_file():
+    if not state.is_main_process:
+        claim = find_claim(out, STAGE, plan)
+    if claim.done:
         log.info("generate stage already complete in %s", out)
         return out
+    work, shards_dir = claim.folder, claim.folder / "shards"
+    if claim.aside:
+        log.info("generate: %s stays as it is until this run (in %s) is complete", out, work)
     plan_hash = hashlib.sha256(json.dumps(plan, sort_keys=True).encode()).hexdigest()[:12]
 
-    data = load_chat_data(cfg.data, target.tokenizer)
+    gen = cfg.generate
+    data = load_chat_data(cfg.data, target.tokenizer, max_context=gen.max_length - gen.max_new_tokens)
     convs = data.conversations
     size = cfg.generate.shard_size
     shards = [convs[i : i + size] for i in range(0, len(convs), size)]
@@ -325,16 +325,16 @@ def run(cfg: Config) -> Path:
         # A shard's seed depends only on its index: a resumed or re-split run samples the same.
         torch.manual_seed(cfg.seed * 1_000_003 + s)
         shard_t0, shard_tokens = time.perf_counter(), counts["tokens"]
+        dropped = Counter()
         rows = regenerate(
-            target, shards[s], max_new_tokens=cfg.generate.max_new_tokens, temperature=cfg.generate.temperature,
-            top_p=cfg.generate.top_p, batch_size=cfg.generate.batch_size, max_length=cfg.generate.max_length,
-            max_turns=max_turns, target_answers=cfg.generate.target_answers, topk=cfg.generate.save_topk_logits,
-            progress=progress,
+            target, shards[s], max_new_tokens=gen.max_new_tokens, temperature=gen.temperature, top_p=gen.top_p,
+            batch_size=gen.batch_size, max_length=gen.max_length, max_turns=max_turns,
+            target_answers=gen.target_answers, topk=gen.save_topk_logits, progress=progress, dropped=dropped,
         )
-        if cfg.generate.save_topk_logits:
+        if gen.save_topk_logits:
             scored = [r for r in rows if r["answers"] == "source"]
-            topk_logits(target.model, scored, cfg.generate.save_topk_logits, cfg.generate.batch_size)
-        write_shard(shards_dir / shard_name(s), rows, cfg.generate.save_topk_logits)
+            topk_logits(target.model, scored, gen.save_topk_logits, gen.batch_size)
+        write_shard(shards_dir / shard_name(s), rows, gen.save_topk_logits, dropped)
         tokens = counts["tokens"] - shard_tokens
         tracker.log({"generate/shard": s, "generate/tokens": tokens,
                      "generate/tokens_per_s": tokens / (time.perf_counter() - shard_t0)})
@@ -342,28 +342,39 @@ def run(cfg: Config) -> Path:
 
     state.wait_for_everyone()
     if state.is_main_process:
-        dataset_dir = out / "dataset"
-        num_rows, num_tokens, num_scored = merge_shards([shards_dir / shard_name(s) for s in range(len(shards))],
-                                                        dataset_dir)
+        dataset_dir = work / "dataset"
+        num_rows, num_tokens, num_scored, dropped = merge_shards(
+            [shards_dir / shard_name(s) for s in range(len(shards))], dataset_dir)
+        skipped = Counter(data.skipped)
+        skipped["too_long_for_max_length"] += dropped.pop("too_long_for_max_length", 0)
+        skipped = {reason: n for reason, n in sorted(skipped.items()) if n}
+        if not num_rows:
+            raise PipelineError(f"generate: no conversation fits generate.max_length={gen.max_length} with "
+                                f"max_new_tokens={gen.max_new_tokens} (skipped records: {skipped})")
         wall = time.perf_counter() - t0
         summary = {
             "num_conversations": num_rows,
             "num_generated_tokens": num_tokens,
             "num_scored_source_tokens": num_scored,
-            "skipped_records": dict(data.skipped),
+            "skipped_records": skipped,
+            "cut_turns": {reason: n for reason, n in dropped.items() if n},
             "num_processes": state.num_processes,
             "plan_hash": plan_hash,
         }
         write_manifest(
-            out, stage=STAGE, config=dataclasses.asdict(cfg), target_fingerprint=fingerprint,
+            work, stage=STAGE, config=dataclasses.asdict(cfg), target_fingerprint=fingerprint,
             outputs={f"dataset/{k}": v for k, v in hash_tree(dataset_dir).items()},
             wall_time_s=wall, target_name=target.name, **summary,
         )
-        shutil.rmtree(shards_dir, ignore_errors=True)
+        remove(shards_dir)
+        complete_claim(claim)
+        dataset_dir = out / "dataset"
         tracker.log({"generate/" + k: v for k, v in summary.items() if isinstance(v, (int, float))})
-        skipped = ", ".join(f"{n} {r}" for r, n in sorted(data.skipped.items())) or "none"
+        skipped_text = ", ".join(f"{n} {r}" for r, n in skipped.items()) or "none"
+        cut = sum(summary["cut_turns"].values())
         log.info("generated %d tokens (and scored %d of the source's) for %d conversations in %.1fs "
-                 "(skipped records: %s)", num_tokens, num_scored, num_rows, wall, skipped)
+                 "(skipped records: %s%s)", num_tokens, num_scored, num_rows, wall, skipped_text,
+                 f"; {cut} later turns cut by generate.max_length" if cut else "")
         print(example(dataset_dir, target.tokenizer))
         scored = f" + {num_scored} scored source tokens" if num_scored else ""
         print(f"generate: {num_rows} conversations, {num_tokens} generated tokens{scored} -> {dataset_dir}")
@@ -390,25 +401,37 @@ def shard_name(index: int) -> str:
     return f"shard-{index:05d}"
 
 
-def write_shard(path: Path, rows: list[dict], topk: int) -> None:
+DROPPED = "dropped.json"
+
+
+def write_shard(path: Path, rows: list[dict], topk: int, dropped: Counter) -> None:
+    """One shard, whole or not at all: its rows and what max_length left out of them (DROPPED)."""
     import datasets
 
-    with atomic_dir(path) as tmp:
+    with atomic_dir(path, "shard") as tmp:
         datasets.Dataset.from_list(rows, features=features(topk)).save_to_disk(str(tmp))
+        atomic_write_json(tmp / DROPPED, dict(dropped))
 
 
-def merge_shards(shard_paths: list[Path], dataset_dir: Path) -> tuple[int, int, int]:
+def merge_shards(shard_paths: list[Path], dataset_dir: Path) -> tuple[int, int, int, Counter]:
     """Concatenate the shards in index order into one dataset; (rows, generated tokens, scored
-    source tokens)."""
+    source tokens, what max_length dropped)."""
     import datasets
 
     missing = [p.name for p in shard_paths if not p.is_dir()]
     if missing:
         raise PipelineError(f"shards missing after all processes finished: {', '.join(missing)}")
-    merged = datasets.concatenate_datasets([datasets.load_from_disk(str(p)) for p in shard_paths])
-    with atomic_dir(dataset_dir) as tmp:
+    dropped = Counter()
+    for p in shard_paths:
+        if (p / DROPPED).is_file():
+            dropped.update(json.loads((p / DROPPED).read_text()))
+    parts = [part for part in (datasets.load_from_disk(str(p)) for p in shard_paths) if len(part)]
+    if not parts:
+        return 0, 0, 0, dropped
+    merged = datasets.concatenate_datasets(parts)
+    with atomic_dir(dataset_dir, "dataset") as tmp:
         merged.save_to_disk(str(tmp))
     table = merged.data
     masks = table.column("loss_mask").to_pylist()
     scored = sum(sum(m) for m, a in zip(masks, table.column("answers").to_pylist()) if a == "source")
-    return len(merged), sum(sum(m) for m in masks) - scored, scored
+    return len(merged), sum(sum(m) for m in masks) - scored, scored, dropped

@@ -32,6 +32,11 @@ ROLES = {
     "bing": "assistant", "model": "assistant",
     "system": "system",
 }
+# What lets a skipped record through, for the error when none is left.
+FIXES = {
+    "too_long_for_max_prompt_tokens": "raise data.max_prompt_tokens",
+    "too_long_for_max_length": "raise generate.max_length (or lower generate.max_new_tokens)",
+}
 MTBENCH_QUESTIONS = "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
 
 
@@ -55,7 +60,8 @@ class Skipped:
 class LoadResult:
     conversations: list[Conversation]
     skipped: Counter = field(default_factory=Counter)
-    """reason -> count: invalid_json, truncated, malformed, empty, too_long."""
+    """reason -> count: invalid_json, truncated, malformed, empty, too_long_for_max_prompt_tokens,
+    too_long_for_max_length."""
 
 
 Record = Union[dict, Skipped]
@@ -99,6 +105,8 @@ def iter_json_lines(lines: Iterator[str]) -> Iterator[Record]:
 
 
 def check_file(path: Path) -> None:
+    if path.is_dir():
+        raise PipelineError(f"data file {path} is a folder; data.path takes one .jsonl, .json or .parquet file")
     if not path.is_file():
         raise PipelineError(f"data file {path} does not exist")
     if path.suffix.lower() not in (".json", ".jsonl", ".parquet"):
@@ -223,13 +231,15 @@ def load_conversations(
     limit: Optional[int] = None,
     per_category: Optional[int] = None,
     max_prompt_tokens: Optional[int] = None,
+    max_context: Optional[int] = None,
     prompt_length: Optional[Callable[[Conversation], int]] = None,
 ) -> LoadResult:
     """The usable conversations of a source in file order, with the skipped ones counted.
 
     `prompt_length` (tokens of a conversation's first templated prompt) enables the
-    `max_prompt_tokens` filter; `per_category` keeps the first that many of each category;
-    reading stops as soon as `limit` conversations are kept.
+    `max_prompt_tokens` filter and the `max_context` one (a first prompt longer than this
+    leaves no room for an answer within generate.max_length); `per_category` keeps the first
+    that many of each category; reading stops as soon as `limit` conversations are kept.
     """
     result = LoadResult(conversations=[])
     kept_per_category: Counter = Counter()
@@ -244,8 +254,12 @@ def load_conversations(
             continue
         if per_category is not None and kept_per_category[conv.category] >= per_category:
             continue
-        if max_prompt_tokens and prompt_length and prompt_length(conv) > max_prompt_tokens:
-            result.skipped["too_long"] += 1
+        length = prompt_length(conv) if prompt_length and (max_prompt_tokens or max_context is not None) else 0
+        if max_prompt_tokens and length > max_prompt_tokens:
+            result.skipped["too_long_for_max_prompt_tokens"] += 1
+            continue
+        if max_context is not None and length > max_context:
+            result.skipped["too_long_for_max_length"] += 1
             continue
         kept_per_category[conv.category] += 1
         result.conversations.append(conv)
@@ -254,7 +268,9 @@ def load_conversations(
     if not result.conversations:
         where = path if source == "file" else source
         reasons = ", ".join(f"{n} {r}" for r, n in sorted(result.skipped.items())) or "none in this split"
-        raise PipelineError(f"{where}: no usable records among {seen} read ({reasons})")
+        fixes = [fix for reason, fix in FIXES.items() if result.skipped.get(reason)]
+        raise PipelineError(f"{where}: no usable records among {seen} read ({reasons})"
+                            + (f"; {' or '.join(fixes)}" if fixes else ""))
     if result.skipped:
         log.warning("skipped records: %s", dict(result.skipped))
     return result

@@ -6,7 +6,11 @@ Output (`runs/<run>/distill/`):
   initial/       the same draft before training (the baseline its τ is compared with)
   state/         the last resumable checkpoint (deleted when the run finishes)
   metrics.jsonl  loss, learning rate and held-out α per logged step
-  manifest.json  written last
+  plan.json      the hash of what decides the weights (draft, settings, data, seed)
+  manifest.json  written last, with the sha256 of the generate manifest it trained on
+
+A finished stage with the same plan is left as it is; another plan needs distill.overwrite=true
+and trains in `.next-distill/` beside it, which replaces it only once complete.
 
 One process on a laptop; `accelerate launch` / `torchrun` for N processes (DDP over gloo on
 CPUs, NCCL on GPUs); `distill.deepspeed=zero2|zero3` for DeepSpeed ZeRO.
@@ -19,7 +23,6 @@ import json
 import logging
 import math
 import os
-import shutil
 import time
 from pathlib import Path
 from typing import Optional
@@ -37,8 +40,10 @@ from pipeline.distill.losses import DraftVocab, Teacher, distill_loss, expected_
 from pipeline.distributed import resolve_precision
 from pipeline.errors import PipelineError
 from pipeline.models import load_target
+from pipeline.files import atomic_dir, atomic_write_json, atomic_write_text, own_dir, remove
 from pipeline.runs import (
-    MANIFEST, atomic_dir, atomic_write_json, hash_tree, read_manifest, stage_dir, write_manifest,
+    MANIFEST, claim_stage, complete_claim, consumed, find_claim, hash_tree, read_manifest, stage_dir,
+    write_manifest,
 )
 from pipeline.tracking import start_tracker
 
@@ -217,6 +222,9 @@ def save_state(folder: Path, accelerator, model, optimizer, scheduler, step: int
     from safetensors.torch import save_file
 
     accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        own_dir(folder, "state")
+    accelerator.wait_for_everyone()
     deepspeed_dir = f"deepspeed-{step}"
     if accelerator.distributed_type.name == "DEEPSPEED":
         # DeepSpeed writes its shards from every rank; trainer.json, replaced atomically
@@ -224,7 +232,7 @@ def save_state(folder: Path, accelerator, model, optimizer, scheduler, step: int
         accelerator.save_state(str(folder / deepspeed_dir))
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        with atomic_dir(folder / "last") as tmp:
+        with atomic_dir(folder / "last", "state") as tmp:
             if accelerator.distributed_type.name != "DEEPSPEED":
                 draft = accelerator.unwrap_model(model).draft
                 trainable = {n: p.detach().contiguous().cpu() for n, p in draft.named_parameters() if p.requires_grad}
@@ -237,7 +245,7 @@ def save_state(folder: Path, accelerator, model, optimizer, scheduler, step: int
                 torch_rng=torch.get_rng_state().tolist(), onpolicy_rng=onpolicy_rng.get_state().tolist()))
         for stale in folder.glob("deepspeed-*"):
             if stale.name != deepspeed_dir:
-                shutil.rmtree(stale, ignore_errors=True)
+                remove(stale)
     accelerator.wait_for_everyone()
 
 
@@ -262,6 +270,12 @@ def load_state(folder: Path, accelerator, model, optimizer, scheduler, onpolicy_
     return trainer
 
 
+def keep_metrics_until(path: Path, step: int) -> None:
+    """Drop the metrics logged after the checkpoint a run resumes from: those steps run again."""
+    lines = path.read_text().splitlines() if path.is_file() else []
+    atomic_write_text(path, "".join(line + "\n" for line in lines if json.loads(line)["step"] <= step))
+
+
 def start_training(cfg: Config, tc):
     """What every training stage starts with: the finished generate stage, the accelerator
     (tc: its TrainConfig), the seed, and the target, checked to be the one that generated."""
@@ -284,11 +298,30 @@ def plan_key(cfg: Config, gen_manifest: dict) -> str:
     import hashlib
 
     settings = dataclasses.asdict(cfg.distill)
-    for free in ("resume", "eval_every", "save_every", "max_eval_sequences"):
+    for free in ("resume", "overwrite", "eval_every", "save_every", "max_eval_sequences"):
         settings.pop(free)
     key = dict(draft=dataclasses.asdict(cfg.draft), distill=settings, seed=cfg.seed,
                data=gen_manifest.get("outputs"), target=gen_manifest.get("target_fingerprint"))
     return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def claim_training(accelerator, out: Path, stage: str, plan: str, tc):
+    """Where this training run works (runs.claim_stage, decided by the main process); None when
+    `out` already holds the finished result of this plan."""
+    if accelerator.is_main_process:
+        claim = claim_stage(out, stage, plan, overwrite=tc.overwrite, restart=not tc.resume,
+                            started=lambda folder: (folder / "state" / "last" / "trainer.json").is_file())
+    accelerator.wait_for_everyone()
+    if not accelerator.is_main_process:
+        claim = find_claim(out, stage, plan)
+    if claim.done:
+        if accelerator.is_main_process:
+            print(f"{stage}: already complete with this config in {out}; nothing to do "
+                  f"(another config needs {stage}.overwrite=true or another run=<name>)")
+        return None
+    if claim.aside:
+        log.info("%s: %s stays as it is until this run (in %s) is complete", stage, out, claim.folder)
+    return claim
 
 
 def run(cfg: Config) -> Path:
@@ -297,6 +330,12 @@ def run(cfg: Config) -> Path:
     out = stage_dir(cfg.runs_dir, cfg.run, STAGE)
     generate_dir, gen_manifest, accelerator, target = start_training(cfg, dc)
     main, fingerprint = accelerator.is_main_process, target.fingerprint()
+    # What decides the result: a checkpoint of another plan is never resumed.
+    plan = plan_key(cfg, gen_manifest)
+    claim = claim_training(accelerator, out, STAGE, plan, dc)
+    if claim is None:
+        return out
+    work = claim.folder
     examples, skipped = load_examples(generate_dir / "dataset", dc.max_length)
     has_topk = examples[0].topk_ids is not None
     offline = dc.teacher == "offline" or (dc.teacher == "auto" and has_topk)
@@ -308,8 +347,6 @@ def run(cfg: Config) -> Path:
     if not train:
         raise PipelineError(f"no conversation of {generate_dir} is left for training after holding "
                             f"{len(heldout)} out; generate more data or lower distill.eval_fraction")
-    # What decides the result: a checkpoint of another plan is never resumed.
-    plan = plan_key(cfg, gen_manifest)
     vocab_size = target.model.config.vocab_size
     draft_vocab, coverage = None, None
     if 0 < cfg.draft.draft_vocab_size < vocab_size:
@@ -319,25 +356,18 @@ def run(cfg: Config) -> Path:
             coverage = torch.isin(held_tokens, draft_vocab).float().mean().item()
     pad_id = target.tokenizer.pad_token_id
 
-    if main and not dc.resume and out.exists():
-        shutil.rmtree(out)
-    accelerator.wait_for_everyone()
-    out.mkdir(parents=True, exist_ok=True)
-    if main:
-        (out / MANIFEST).unlink(missing_ok=True)  # the folder is incomplete until this run finishes
-
     draft = build_draft(cfg, target)
     target_model = target.model.eval() if not offline or dc.onpolicy_fraction > 0 else None
     if target_model is None:
         target.model = None  # an offline teacher needs no target weights past this point
-    trainer_json = out / "state" / "last" / "trainer.json"
+    trainer_json = work / "state" / "last" / "trainer.json"
     resuming = dc.resume and trainer_json.is_file()
     if resuming and json.loads(trainer_json.read_text()).get("plan") != plan:
-        raise PipelineError(f"{out} holds a distill run with another config or data; "
-                            "pass distill.resume=false to start over (or use another run=)")
+        raise PipelineError(f"{work} holds a distill run with another config or data; "
+                            "add distill.overwrite=true to start over (or use another run=)")
     # The untrained baseline of this plan: written afresh unless this run resumes its own.
-    if main and not (resuming and (out / "initial" / "config.json").is_file()):
-        with atomic_dir(out / "initial") as tmp:
+    if main and not (resuming and (work / "initial" / "config.json").is_file()):
+        with atomic_dir(work / "initial", "checkpoint") as tmp:
             save_draft(draft, target.tokenizer, tmp, draft_vocab=draft_vocab)
     vocab = DraftVocab(draft_vocab.to(accelerator.device), vocab_size) if draft_vocab is not None else None
     model = DraftForDistill(draft, vocab.ids if vocab is not None else None)
@@ -350,15 +380,13 @@ def run(cfg: Config) -> Path:
 
     start_step, start_stats = 0, {}
     if resuming:
-        trainer = load_state(out / "state", accelerator, model, optimizer, scheduler, onpolicy_rng)
+        trainer = load_state(work / "state", accelerator, model, optimizer, scheduler, onpolicy_rng)
         start_step, start_stats = int(trainer["step"]), trainer.get("start_stats") or {}
-        log.info("distill: resuming after step %d from %s", start_step, out / "state")
-        if main:  # steps logged after that checkpoint are done again
-            lines = (out / "metrics.jsonl").read_text().splitlines() if (out / "metrics.jsonl").is_file() else []
-            kept = [line for line in lines if json.loads(line)["step"] <= start_step]
-            (out / "metrics.jsonl").write_text("".join(line + "\n" for line in kept))
+        log.info("distill: resuming after step %d from %s", start_step, work / "state")
+        if main:
+            keep_metrics_until(work / "metrics.jsonl", start_step)
     elif main:
-        (out / "metrics.jsonl").unlink(missing_ok=True)
+        remove(work / "metrics.jsonl")
 
     world, rank = accelerator.num_processes, accelerator.process_index
     global_batch = dc.batch_size * world * dc.grad_accum
@@ -413,14 +441,14 @@ def run(cfg: Config) -> Path:
         step_loss = accelerator.gather(torch.stack(losses).mean()[None]).mean().item()
         if not math.isfinite(step_loss):
             raise PipelineError(f"distill: the loss is {step_loss} at step {step + 1}; lower distill.lr "
-                                f"(now {dc.lr}) or check the data; the last good checkpoint is in {out / 'state'}")
+                                f"(now {dc.lr}) or check the data; the last good checkpoint is in {work / 'state'}")
         last_loss = step_loss
         record = dict(step=step + 1, loss=step_loss, lr=scheduler.get_last_lr()[0],
                       tokens_per_s=tokens_seen * world / (time.perf_counter() - t_loop), onpolicy=onpolicy)
         if (step + 1) % dc.eval_every == 0 or step + 1 == dc.max_steps:
             record.update(evaluate())
         if main:
-            with open(out / "metrics.jsonl", "a") as f:
+            with open(work / "metrics.jsonl", "a") as f:
                 f.write(json.dumps(record) + "\n")
             tracker.log({f"distill/{k}": v for k, v in record.items() if isinstance(v, (int, float)) and v is not None},
                         step=step + 1)
@@ -429,7 +457,7 @@ def run(cfg: Config) -> Path:
                                                         if record.get(key) is not None})
             bar.update(1)
         if (step + 1) % dc.save_every == 0 and step + 1 < dc.max_steps:
-            save_state(out / "state", accelerator, model, optimizer, scheduler, step + 1, onpolicy_rng, plan, start_stats)
+            save_state(work / "state", accelerator, model, optimizer, scheduler, step + 1, onpolicy_rng, plan, start_stats)
     bar.close()
 
     end_stats = {k: record.get(k) for k in ("heldout_alpha", "heldout_top1")} if start_step < dc.max_steps else evaluate()
@@ -440,9 +468,9 @@ def run(cfg: Config) -> Path:
         state = accelerator.get_state_dict(model)  # gathers ZeRO-3 shards, full tensors on the main process
         final = {k.removeprefix("draft."): v for k, v in state.items()} if main else None
     if main:
-        with atomic_dir(out / "checkpoint") as tmp:
+        with atomic_dir(work / "checkpoint", "checkpoint") as tmp:
             save_draft(unwrapped, target.tokenizer, tmp, state_dict=final, draft_vocab=draft_vocab)
-        shutil.rmtree(out / "state", ignore_errors=True)
+        remove(work / "state")
         train_s = time.perf_counter() - t_start
         metrics = dict(final_loss=last_loss, heldout_alpha_start=alpha_start, heldout_alpha_end=alpha_end,
                        heldout_top1_start=start_stats.get("heldout_top1"), heldout_top1_end=end_stats["heldout_top1"],
@@ -454,10 +482,10 @@ def run(cfg: Config) -> Path:
                        draft_vocab_heldout_coverage=coverage)
         tracker.log({f"distill/{k}": v for k, v in metrics.items() if isinstance(v, (int, float)) and v is not None})
         tracker.finish()
-        write_manifest(out, stage=STAGE, config=dataclasses.asdict(cfg), target_fingerprint=fingerprint,
-                       outputs={k: v for k, v in hash_tree(out).items() if k != MANIFEST and not k.startswith("state")},
-                       wall_time_s=train_s, inputs={"generate": {"manifest": str(generate_dir / MANIFEST)}},
-                       metrics=metrics)
+        write_manifest(work, stage=STAGE, config=dataclasses.asdict(cfg), target_fingerprint=fingerprint,
+                       outputs={k: v for k, v in hash_tree(work).items() if k != MANIFEST and not k.startswith("state")},
+                       wall_time_s=train_s, inputs={"generate": consumed(generate_dir)}, metrics=metrics, plan=plan)
+        complete_claim(claim)
 
         def change(name: str) -> str:
             start, end = start_stats.get(name), end_stats[name]

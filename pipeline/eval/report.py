@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from pipeline.runs import atomic_write_text
+from pipeline.files import atomic_write_text, rename
 
 
 def write_report(report: dict[str, Any], out: Path) -> dict[str, Path]:
@@ -143,5 +143,5 @@ def _save(fig, path: Path) -> Path:
     tmp = path.with_name(f".{path.name}.tmp")
     fig.savefig(tmp, dpi=110, format="png")
     plt.close(fig)
-    tmp.replace(path)
+    rename(tmp, path)
     return path

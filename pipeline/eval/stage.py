@@ -28,7 +28,10 @@ from pipeline.eval.measure import (
 )
 from pipeline.eval.report import write_report
 from pipeline.models import Target, load_target
-from pipeline.runs import MANIFEST, hash_tree, read_manifest, stage_dir, write_manifest
+from pipeline.files import remove
+from pipeline.runs import (
+    MANIFEST, check_trained, consumed, hash_tree, own_stage_dir, read_manifest, stage_dir, write_manifest,
+)
 from pipeline.tracking import start_tracker
 
 log = logging.getLogger(__name__)
@@ -59,7 +62,8 @@ def find_drafts(cfg: Config, target: Target, heads: dict[str, torch.nn.Module]) 
     drafts, bundle_k = {}, {}
     distill = stage_dir(cfg.runs_dir, cfg.run, "distill")
     if (distill / MANIFEST).is_file():
-        read_manifest(distill, "distill", cfg.run)
+        manifest = read_manifest(distill, "distill", cfg.run)
+        check_trained(manifest, distill, stage_dir(cfg.runs_dir, cfg.run, "generate"), cfg.run)
         drafts["draft_model"] = load_draft(distill / "checkpoint", target)
     if cfg.eval.draft:
         path = Path(cfg.eval.draft).expanduser()
@@ -92,6 +96,7 @@ def find_heads(cfg: Config, target: Target) -> dict[str, torch.nn.Module]:
         folder = stage_dir(cfg.runs_dir, cfg.run, "heads") / kind
         if (folder / MANIFEST).is_file():
             manifest = read_manifest(folder, "heads", cfg.run, extra=f"heads={kind}")
+            check_trained(manifest, folder, stage_dir(cfg.runs_dir, cfg.run, "generate"), cfg.run, f"heads={kind}")
             if manifest.get("target_fingerprint") != target.fingerprint():
                 raise PipelineError(f"{folder} was trained on another target (fingerprint "
                                     f"{str(manifest.get('target_fingerprint'))[:12]}…); retrain it for this one")
@@ -163,9 +168,8 @@ def losslessness(model, plain: Measurement, m: Measurement, greedy: bool, name: 
 
 def run(cfg: Config) -> Path:
     t0 = time.perf_counter()
-    out = stage_dir(cfg.runs_dir, cfg.run, STAGE)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / MANIFEST).unlink(missing_ok=True)  # the folder is incomplete until this run finishes
+    out = own_stage_dir(stage_dir(cfg.runs_dir, cfg.run, STAGE), STAGE)
+    remove(out / MANIFEST)  # the folder is incomplete until this run finishes
     ev = cfg.eval
 
     target = load_target(**dataclasses.asdict(cfg.target))
@@ -319,9 +323,9 @@ def run(cfg: Config) -> Path:
     inputs = {}
     distill = stage_dir(cfg.runs_dir, cfg.run, "distill")
     if "draft_model" in drafts and (distill / MANIFEST).is_file():
-        inputs["distill"] = {"manifest": str(distill / MANIFEST)}
+        inputs["distill"] = consumed(distill)
     for kind in run_heads:
-        inputs[f"heads/{kind}"] = {"manifest": str(stage_dir(cfg.runs_dir, cfg.run, "heads") / kind / MANIFEST)}
+        inputs[f"heads/{kind}"] = consumed(stage_dir(cfg.runs_dir, cfg.run, "heads") / kind)
     if ev.bundle:
         inputs["bundle"] = {"path": str(Path(ev.bundle).expanduser())}
     write_manifest(out, stage=STAGE, config=dataclasses.asdict(cfg), target_fingerprint=report["target"]["fingerprint"],

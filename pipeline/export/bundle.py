@@ -2,7 +2,8 @@
 
 Layout (`runs/<run>/export/` or export.dir):
   bundle.json   method, num_draft_tokens, the target's name and fingerprint, tau and speedup
-                measured by eval, the training data and run, package versions, formats
+                measured by eval, the training data and run, package versions, formats, and
+                provenance: the sha256 of the generate, training and eval manifests it came from
   draft/        (method draft_model) the draft as a plain HF save_pretrained folder
                 (safetensors, config.json, tokenizer files): transformers' assistant_model=, a
                 vLLM/SGLang draft model; draft_vocab.safetensors beside it lets our decoder
@@ -16,8 +17,9 @@ Layout (`runs/<run>/export/` or export.dir):
   README.md     a model card written from the above
   SHA256SUMS    sha256 of every other file, in `sha256sum -c` format
 
-Loading checks every checksum, that no file was added, and the target's fingerprint, and
-reads weights from safetensors only: nothing is unpickled.
+Loading checks every checksum, that no file was added, that nothing in it is a symbolic link
+(a bundle holds its own files), bundle.json's keys, types and ranges, and the target's
+fingerprint, and reads weights from safetensors only: nothing is unpickled.
 """
 
 from __future__ import annotations
@@ -25,6 +27,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
+
+import os
+import re
 
 import torch
 
@@ -66,8 +71,20 @@ def write_checksums(folder: Path) -> None:
     (folder / CHECKSUMS).write_text("".join(lines))
 
 
+def check_no_links(folder: Path) -> None:
+    """A symbolic link in a bundle would make it depend on files outside it, which no checksum covers."""
+    for root, dirs, files in os.walk(folder, followlinks=False):
+        for name in sorted(dirs + files):
+            path = Path(root) / name
+            if path.is_symlink():
+                raise PipelineError(f"bundle {folder}: {path.relative_to(folder).as_posix()} is a symbolic link; "
+                                    "a bundle holds its own files (copy them in, or export again)")
+
+
 def verify_checksums(folder: Path) -> None:
-    """Every listed file exists with its sha256, and no file is unlisted; else a one-line error."""
+    """No symbolic link, every listed file exists with its sha256, and no file is unlisted; else
+    a one-line error."""
+    check_no_links(folder)
     listing = folder / CHECKSUMS
     if not listing.is_file():
         raise PipelineError(f"{folder} is not a bundle: {CHECKSUMS} is missing")
@@ -96,16 +113,38 @@ def read_bundle_json(folder: Path) -> dict[str, Any]:
         meta = json.loads(path.read_text())
     except (OSError, ValueError) as e:
         raise PipelineError(f"cannot read {path}: {e}") from None
+    check_bundle_meta(meta, path)
+    return meta
+
+
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def check_bundle_meta(meta: Any, path: Path) -> None:
+    """bundle.json's schema: the keys loading reads, of the right types and in range."""
+    if not isinstance(meta, dict):
+        raise PipelineError(f"{path}: expected a JSON object, got {type(meta).__name__}")
     for key in ("format_version", "method", "num_draft_tokens", "target"):
         if key not in meta:
             raise PipelineError(f"{path} has no key {key!r}")
-    if meta["format_version"] > FORMAT_VERSION:
-        raise PipelineError(f"{path} has format_version {meta['format_version']}; this specdraft reads "
+    version = meta["format_version"]
+    if not _positive_int(version):
+        raise PipelineError(f"{path}: format_version must be a positive integer, got {version!r}")
+    if version > FORMAT_VERSION:
+        raise PipelineError(f"{path} has format_version {version}; this specdraft reads "
                             f"up to {FORMAT_VERSION}: upgrade specdraft")
-    if meta["method"] not in ("draft_model", *HEAD_METHODS):
+    if not isinstance(meta["method"], str) or meta["method"] not in ("draft_model", *HEAD_METHODS):
         raise PipelineError(f"{path}: method {meta['method']!r} cannot be loaded by this specdraft "
                             f"(draft_model, {', '.join(HEAD_METHODS)})")
-    return meta
+    if not _positive_int(meta["num_draft_tokens"]):
+        raise PipelineError(f"{path}: num_draft_tokens must be a positive integer, got {meta['num_draft_tokens']!r}")
+    target = meta["target"]
+    if not isinstance(target, dict) or not isinstance(target.get("name"), str):
+        raise PipelineError(f"{path}: target must be an object with a name and a fingerprint")
+    if not isinstance(target.get("fingerprint"), str) or not re.fullmatch(r"[0-9a-f]{64}", target["fingerprint"]):
+        raise PipelineError(f"{path}: target.fingerprint must be a sha256 (64 hex digits), "
+                            f"got {target.get('fingerprint')!r}")
 
 
 def load_bundle(path: str | Path, target: Target, fingerprint: Optional[str] = None) -> Bundle:
@@ -118,7 +157,7 @@ def load_bundle(path: str | Path, target: Target, fingerprint: Optional[str] = N
         raise PipelineError(f"bundle folder {folder} does not exist")
     verify_checksums(folder)
     meta = read_bundle_json(folder)
-    want = meta["target"].get("fingerprint")
+    want = meta["target"]["fingerprint"]
     have = fingerprint or target.fingerprint()
     if want != have:
         raise PipelineError(f"bundle {folder} was made for target {meta['target'].get('name')!r} (fingerprint "

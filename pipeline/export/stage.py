@@ -3,7 +3,9 @@ bundle.py).
 
 Inputs: `runs/<run>/distill/` (export.method=draft_model) or `runs/<run>/heads/<kind>/`
 (export.method=medusa|eagle|early_exit), and `runs/<run>/eval/` (the measured tau and
-speedup, which the bundle records), all finished, all for the same target.
+speedup, which the bundle records), all finished, all for the same target, and each still the
+one its successor read (manifest hashes, runs.check_consumed): a stage run again since is
+named with the command to re-run after it. bundle.json records those hashes (provenance).
 """
 
 from __future__ import annotations
@@ -20,7 +22,10 @@ from pipeline.config import Config
 from pipeline.errors import PipelineError
 from pipeline.export.bundle import BUNDLE_JSON, CHECKSUMS, DRAFT_DIR, FORMAT_VERSION, HEADS_DIR, write_checksums
 from pipeline.export.formats import EAGLE3_DIR, MEDUSA_DIR, SPECULATORS_DIR, write_eagle3, write_medusa, write_speculators
-from pipeline.runs import atomic_dir, package_versions, read_manifest, stage_dir
+from pipeline.files import MARKER, atomic_dir
+from pipeline.runs import (
+    check_consumed, check_trained, manifest_sha, package_versions, read_manifest, run_dir, stage_dir,
+)
 
 log = logging.getLogger(__name__)
 STAGE = "export"
@@ -170,19 +175,45 @@ def _num(x: Optional[float]) -> str:
     return "n/a" if x is None else f"{x:.3f}"
 
 
+def bundle_dir(cfg: Config) -> Path:
+    """Where the bundle goes: export.dir, which may not be, hold or lie inside the run's own folder
+    (runs/<run>/export, the default, aside)."""
+    default = stage_dir(cfg.runs_dir, cfg.run, STAGE)
+    if not cfg.export.dir:
+        return default
+    out = Path(cfg.export.dir).expanduser()
+    run_folder = run_dir(cfg.runs_dir, cfg.run).resolve()
+    chosen = out.resolve()
+    if chosen != default.resolve() and (chosen == run_folder or run_folder.is_relative_to(chosen)
+                                        or chosen.is_relative_to(run_folder)):
+        raise PipelineError(f"export.dir={cfg.export.dir} is inside or above the run folder {run_folder}, whose "
+                            "stages it would replace; choose a folder outside it (or leave export.dir unset)")
+    return out
+
+
+def is_bundle(folder: Path) -> bool:
+    """A bundle from before markers: it holds bundle.json and the checksum list."""
+    return (folder / BUNDLE_JSON).is_file() and (folder / CHECKSUMS).is_file()
+
+
 def run(cfg: Config) -> Path:
     t0 = time.perf_counter()
     name = cfg.export.method
+    generate_dir = stage_dir(cfg.runs_dir, cfg.run, "generate")
     if name == "draft_model":
-        train_dir = stage_dir(cfg.runs_dir, cfg.run, "distill")
+        train_key, train_dir = "distill", stage_dir(cfg.runs_dir, cfg.run, "distill")
         train_manifest = read_manifest(train_dir, "distill", cfg.run)
+        check_trained(train_manifest, train_dir, generate_dir, cfg.run)
     else:
-        train_dir = stage_dir(cfg.runs_dir, cfg.run, "heads") / name
+        train_key, train_dir = f"heads/{name}", stage_dir(cfg.runs_dir, cfg.run, "heads") / name
         train_manifest = read_manifest(train_dir, "heads", cfg.run, extra=f"heads={name}")
+        check_trained(train_manifest, train_dir, generate_dir, cfg.run, f"heads={name}")
     eval_dir = stage_dir(cfg.runs_dir, cfg.run, "eval")
-    read_manifest(eval_dir, "eval", cfg.run)
+    eval_manifest = read_manifest(eval_dir, "eval", cfg.run)
     report = json.loads((eval_dir / "report.json").read_text())
     method = _method_report(report, eval_dir, name)
+    # The numbers the bundle carries were measured on this very draft, not on an earlier one.
+    check_consumed(eval_manifest, train_key, train_dir, who=eval_dir, rerun=f"python -m pipeline stage=eval run={cfg.run}")
     if train_manifest["target_fingerprint"] != report["target"]["fingerprint"]:
         raise PipelineError(f"{eval_dir} measured another target than the one {train_dir} was trained for; "
                             f"run `python -m pipeline stage=eval run={cfg.run}` again")
@@ -191,13 +222,14 @@ def run(cfg: Config) -> Path:
         formats["medusa"] = MEDUSA_DIR
     if name == "eagle":
         formats.update(eagle3=EAGLE3_DIR, speculators=SPECULATORS_DIR)
-    meta = bundle_meta(cfg.run, train_manifest, report, method,
-                       _data_summary(stage_dir(cfg.runs_dir, cfg.run, "generate")), name, formats)
+    meta = bundle_meta(cfg.run, train_manifest, report, method, _data_summary(generate_dir), name, formats)
+    meta["provenance"] = {"generate": manifest_sha(generate_dir), train_key: manifest_sha(train_dir),
+                          "eval": manifest_sha(eval_dir)}
 
-    out = Path(cfg.export.dir).expanduser() if cfg.export.dir else stage_dir(cfg.runs_dir, cfg.run, STAGE)
-    with atomic_dir(out) as tmp:
+    out = bundle_dir(cfg)
+    with atomic_dir(out, "bundle", hint="choose another export.dir=<folder>", adopt=is_bundle) as tmp:
         if name == "draft_model":
-            shutil.copytree(train_dir / "checkpoint", tmp / DRAFT_DIR)
+            shutil.copytree(train_dir / "checkpoint", tmp / DRAFT_DIR, ignore=shutil.ignore_patterns(MARKER))
         else:
             (tmp / HEADS_DIR).mkdir()
             for f in ("heads.safetensors", "heads_config.json"):

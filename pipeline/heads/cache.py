@@ -20,7 +20,7 @@ import torch
 from tqdm.auto import tqdm
 
 from pipeline.distill.data import Batch, Example, collate
-from pipeline.runs import atomic_write_json
+from pipeline.files import atomic_write_json, own_dir, rename
 
 log = logging.getLogger(__name__)
 SHARD = "shard-{:05d}.safetensors"
@@ -64,7 +64,7 @@ class FeatureCache:
         """Compute and write every missing shard (the main process only)."""
         from safetensors.torch import save_file
 
-        self.folder.mkdir(parents=True, exist_ok=True)
+        own_dir(self.folder, "features", adopt=lambda folder: (folder / "meta.json").is_file())
         shards = range((len(examples) + self.shard_size - 1) // self.shard_size)
         todo = [s for s in shards if not self.shard_path(s).is_file()]
         tokens = sum(len(ex.input_ids) for ex in examples)
@@ -90,7 +90,7 @@ class FeatureCache:
                     bar.update(len(part))
                 tmp = self.shard_path(shard).with_suffix(".tmp")
                 save_file(tensors, str(tmp))
-                tmp.replace(self.shard_path(shard))  # a shard is there whole or not at all
+                rename(tmp, self.shard_path(shard))  # a shard is there whole or not at all
 
     def hidden(self, indices: list[int], batch: Batch) -> dict[int, torch.Tensor]:
         """The cached hidden states of examples `indices`, padded like `batch`: layer -> [B, T, H]."""

@@ -7,9 +7,11 @@ Input: `runs/<run>/generate/dataset`. Output (`runs/<run>/heads/<kind>/`):
   initial/             the same heads before training (the baseline)
   state/               the last resumable checkpoint (deleted when the run finishes)
   metrics.jsonl        loss, learning rate, held-out α and top-1 agreement per logged step
-  manifest.json        written last
+  plan.json            the hash of what decides the weights
+  manifest.json        written last, with the sha256 of the generate manifest it trained on
 
-Processes, DeepSpeed, resume, NaN checks and logging work as in the distill stage.
+Processes, DeepSpeed, resume, overwrite (a finished stage stays until its replacement is
+complete), NaN checks and logging work as in the distill stage.
 """
 
 from __future__ import annotations
@@ -19,7 +21,6 @@ import hashlib
 import json
 import logging
 import math
-import shutil
 import time
 from pathlib import Path
 from typing import Optional
@@ -30,13 +31,16 @@ from tqdm.auto import tqdm
 from pipeline.config import Config
 from pipeline.distill.data import collate, global_batch_indices, load_examples, micro_batches, split_heldout
 from pipeline.distill.draft import frequent_tokens
-from pipeline.distill.stage import answer_tokens, load_state, lr_lambda, save_state, start_training
+from pipeline.distill.stage import (
+    answer_tokens, claim_training, keep_metrics_until, load_state, lr_lambda, save_state, start_training,
+)
 from pipeline.distributed import native_bf16
 from pipeline.errors import PipelineError
 from pipeline.heads.models import build_heads, feature_indices, own_state, save_heads
 from pipeline.heads.cache import FeatureCache, find_cache
 from pipeline.heads.train import HeadsForTraining, Terms, target_layers, target_view, view_from_hidden
-from pipeline.runs import MANIFEST, atomic_dir, hash_tree, stage_dir, write_manifest
+from pipeline.files import atomic_dir, remove, rename
+from pipeline.runs import MANIFEST, complete_claim, consumed, hash_tree, stage_dir, write_manifest
 from pipeline.tracking import start_tracker
 
 log = logging.getLogger(__name__)
@@ -59,7 +63,7 @@ def heads_dir(cfg: Config, kind: Optional[str] = None) -> Path:
 
 def plan_key(cfg: Config, gen_manifest: dict) -> str:
     settings = dataclasses.asdict(cfg.heads)
-    for free in ("resume", "eval_every", "save_every", "max_eval_sequences", "cache_shard_size"):
+    for free in ("resume", "overwrite", "eval_every", "save_every", "max_eval_sequences", "cache_shard_size"):
         settings.pop(free)
     key = dict(heads=settings, seed=cfg.seed, data=gen_manifest.get("outputs"),
                target=gen_manifest.get("target_fingerprint"))
@@ -95,6 +99,11 @@ def run(cfg: Config) -> Path:
     out = heads_dir(cfg)
     generate_dir, gen_manifest, accelerator, target = start_training(cfg, hc)
     main, fingerprint = accelerator.is_main_process, target.fingerprint()
+    plan = plan_key(cfg, gen_manifest)
+    claim = claim_training(accelerator, out, STAGE, plan, hc)
+    if claim is None:
+        return out
+    work = claim.folder
     if hc.target_bf16 is None:  # null: bf16 only where the device computes it natively
         hc = dataclasses.replace(hc, target_bf16=native_bf16(accelerator.device.type))
         log.info("heads.target_bf16 null -> %s", hc.target_bf16)
@@ -104,7 +113,6 @@ def run(cfg: Config) -> Path:
     if not train:
         raise PipelineError(f"no conversation of {generate_dir} is left for training after holding "
                             f"{len(heldout)} out; generate more data or lower heads.eval_fraction")
-    plan = plan_key(cfg, gen_manifest)
     vocab_size = target.model.config.vocab_size
     if 0 < hc.draft_vocab_size < vocab_size:
         draft_vocab = frequent_tokens(answer_tokens(train), hc.draft_vocab_size, vocab_size)
@@ -113,13 +121,6 @@ def run(cfg: Config) -> Path:
     held_tokens = torch.tensor(answer_tokens(heldout), dtype=torch.long)
     coverage = torch.isin(held_tokens, draft_vocab).float().mean().item() if len(held_tokens) else None
     pad_id = target.tokenizer.pad_token_id
-
-    if main and not hc.resume and out.exists():
-        shutil.rmtree(out)
-    accelerator.wait_for_everyone()
-    out.mkdir(parents=True, exist_ok=True)
-    if main:
-        (out / MANIFEST).unlink(missing_ok=True)  # the folder is incomplete until this run finishes
 
     target_model = target.model.eval()
     heads = build_heads(hc.kind, target_model, draft_vocab.to(target.device), heads_settings(cfg, target_model.config))
@@ -130,8 +131,8 @@ def run(cfg: Config) -> Path:
         scales = heads.calibrate([view.hidden[i] for i in heads.feature_layers], probe.attention_mask.bool())
         log.info("heads: fc scaled by 1/%s for target layers %s", [round(x, 2) for x in scales],
                  list(heads.feature_layers))
-    if main and not (out / "initial" / "heads_config.json").is_file():
-        with atomic_dir(out / "initial") as tmp:
+    if main and not (work / "initial" / "heads_config.json").is_file():
+        with atomic_dir(work / "initial", "checkpoint") as tmp:
             save_heads(heads, tmp)
     model = HeadsForTraining(heads.train(), target_model, hc.loss, hc.medusa_decay, hc.ttt_steps)
     trainable = [p for p in model.parameters() if p.requires_grad]
@@ -142,19 +143,17 @@ def run(cfg: Config) -> Path:
     rng = torch.Generator().manual_seed(cfg.seed + 1)  # part of the checkpoint format; unused here
 
     start_step = 0
-    trainer_json = out / "state" / "last" / "trainer.json"
+    trainer_json = work / "state" / "last" / "trainer.json"
     if hc.resume and trainer_json.is_file():
         if json.loads(trainer_json.read_text()).get("plan") != plan:
-            raise PipelineError(f"{out} holds a heads run with another config or data; "
-                                "pass heads.resume=false to start over (or use another run=)")
-        start_step = int(load_state(out / "state", accelerator, model, optimizer, scheduler, rng)["step"])
-        log.info("heads: resuming after step %d from %s", start_step, out / "state")
-        if main:  # steps logged after that checkpoint are done again
-            lines = (out / "metrics.jsonl").read_text().splitlines() if (out / "metrics.jsonl").is_file() else []
-            kept = [line for line in lines if json.loads(line)["step"] <= start_step]
-            (out / "metrics.jsonl").write_text("".join(line + "\n" for line in kept))
+            raise PipelineError(f"{work} holds a heads run with another config or data; "
+                                "add heads.overwrite=true to start over (or use another run=)")
+        start_step = int(load_state(work / "state", accelerator, model, optimizer, scheduler, rng)["step"])
+        log.info("heads: resuming after step %d from %s", start_step, work / "state")
+        if main:
+            keep_metrics_until(work / "metrics.jsonl", start_step)
     elif main:
-        (out / "metrics.jsonl").unlink(missing_ok=True)
+        remove(work / "metrics.jsonl")
 
     world, rank = accelerator.num_processes, accelerator.process_index
     global_batch = hc.batch_size * world * hc.grad_accum
@@ -220,14 +219,14 @@ def run(cfg: Config) -> Path:
         step_loss = accelerator.gather(torch.stack(losses).mean()[None]).mean().item()
         if not math.isfinite(step_loss):
             raise PipelineError(f"heads: the loss is {step_loss} at step {step + 1}; lower heads.lr "
-                                f"(now {hc.lr}) or check the data; the last good checkpoint is in {out / 'state'}")
+                                f"(now {hc.lr}) or check the data; the last good checkpoint is in {work / 'state'}")
         last_loss = step_loss
         record = dict(step=step + 1, loss=step_loss, lr=scheduler.get_last_lr()[0],
                       tokens_per_s=tokens_seen * world / (time.perf_counter() - t_loop))
         if (step + 1) % hc.eval_every == 0 or step + 1 == hc.max_steps:
             record.update(evaluate())
         if main:
-            with open(out / "metrics.jsonl", "a") as f:
+            with open(work / "metrics.jsonl", "a") as f:
                 f.write(json.dumps(record) + "\n")
             tracker.log({f"heads/{k}": v for k, v in record.items() if isinstance(v, (int, float)) and v is not None},
                         step=step + 1)
@@ -237,7 +236,7 @@ def run(cfg: Config) -> Path:
             bar.set_postfix(**postfix)
             bar.update(1)
         if (step + 1) % hc.save_every == 0 and step + 1 < hc.max_steps:
-            save_state(out / "state", accelerator, model, optimizer, scheduler, step + 1, rng, plan, None)
+            save_state(work / "state", accelerator, model, optimizer, scheduler, step + 1, rng, plan, None)
     bar.close()
 
     end_eval = {k: v for k, v in record.items() if k.startswith("heldout")} if start_step < hc.max_steps else evaluate()
@@ -255,18 +254,18 @@ def run(cfg: Config) -> Path:
                        wall_time_s=train_s, draft_vocab_size=len(draft_vocab), draft_vocab_heldout_coverage=coverage,
                        **{f"{k}_start": v for k, v in start_eval.items()}, **{f"{k}_end": v for k, v in end_eval.items()})
         state = {k: v for k, v in final.items() if k in own_state(unwrapped)} if final is not None else None
-        with atomic_dir(out / "final") as tmp:
+        with atomic_dir(work / "final", "checkpoint") as tmp:
             save_heads(unwrapped, tmp, extra=dict(target=target.name, target_fingerprint=fingerprint), state=state)
         for name in ("heads.safetensors", "heads_config.json"):
-            (out / "final" / name).replace(out / name)
-        shutil.rmtree(out / "final", ignore_errors=True)
-        shutil.rmtree(out / "state", ignore_errors=True)
+            rename(work / "final" / name, work / name)
+        remove(work / "final")
+        remove(work / "state")
         tracker.log({f"heads/{k}": v for k, v in metrics.items() if isinstance(v, (int, float)) and v is not None})
         tracker.finish()
-        write_manifest(out, stage=STAGE, config=dataclasses.asdict(cfg), target_fingerprint=fingerprint,
-                       outputs={k: v for k, v in hash_tree(out).items() if k != MANIFEST and not k.startswith("state")},
-                       wall_time_s=train_s, inputs={"generate": {"manifest": str(generate_dir / MANIFEST)}},
-                       metrics=metrics)
+        write_manifest(work, stage=STAGE, config=dataclasses.asdict(cfg), target_fingerprint=fingerprint,
+                       outputs={k: v for k, v in hash_tree(work).items() if k != MANIFEST and not k.startswith("state")},
+                       wall_time_s=train_s, inputs={"generate": consumed(generate_dir)}, metrics=metrics, plan=plan)
+        complete_claim(claim)
         alpha = lambda d: f"{d['heldout_top1']:.3f}" if d.get("heldout_top1") is not None else "n/a"
         print(f"heads ({hc.kind}): {hc.max_steps} steps in {train_s / 60:.1f} min, final loss {last_loss:.4f}, "
               f"held-out top-1 agreement at draft position 1 {alpha(start_eval)} -> {alpha(end_eval)} -> {out}")

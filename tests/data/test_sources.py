@@ -115,7 +115,7 @@ def test_too_long_prompts_are_skipped_and_counted(chat_file):
     result = load_conversations("file", str(chat_file), max_prompt_tokens=10,
                                 prompt_length=lambda c: len(c.user_turns[0]))
     assert all(len(c.user_turns[0]) <= 10 for c in result.conversations)
-    assert result.skipped["too_long"] == 12 - len(result.conversations) > 0
+    assert result.skipped["too_long_for_max_prompt_tokens"] == 12 - len(result.conversations) > 0
 
 
 def test_mtbench_has_80_questions_in_8_categories():

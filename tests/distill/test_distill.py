@@ -139,7 +139,7 @@ def test_a_new_plan_in_a_finished_run_writes_its_own_baseline(tiny_target_dir, g
     runs = fresh_run(generated, tmp_path)
     distill.run(compose_config(*overrides(tiny_target_dir, runs, "distill.max_steps=2"), stage="distill"))
     out = distill.run(compose_config(*overrides(tiny_target_dir, runs, "distill.max_steps=2", "draft.num_layers=2",
-                                                "draft.init_layers=[0,1]"), stage="distill"))
+                                                "draft.init_layers=[0,1]", "distill.overwrite=true"), stage="distill"))
     for folder in ("initial", "checkpoint"):
         assert json.loads((out / folder / "config.json").read_text())["num_hidden_layers"] == 2, folder
 

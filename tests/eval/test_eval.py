@@ -11,7 +11,7 @@ from pipeline.eval.measure import (
     Measurement, Method, Settings, expected_tokens_per_pass, greedy_divergences, make_decode, measure, predicted_speedup,
 )
 from pipeline.models import load_target
-from pipeline.runs import MANIFEST, sha256_file, write_manifest
+from pipeline.runs import MANIFEST, consumed, sha256_file, write_manifest
 
 PLOTS = ("acceptance_by_position.png", "speedup_vs_k.png", "per_category.png")
 
@@ -124,9 +124,11 @@ def test_int8_draft_and_its_fp32_twin_are_both_measured(tiny_target_dir, draft_d
 def test_eval_finds_the_runs_distilled_draft(tiny_target_dir, draft_dir, prompts_file, tmp_path):
     import shutil
 
-    distill = tmp_path / "e" / "distill"
+    distill, generate = tmp_path / "e" / "distill", tmp_path / "e" / "generate"
     shutil.copytree(draft_dir, distill / "checkpoint")
-    write_manifest(distill, stage="distill", config={}, target_fingerprint="x", outputs={}, wall_time_s=0.0)
+    write_manifest(generate, stage="generate", config={}, target_fingerprint="x", outputs={}, wall_time_s=0.0)
+    write_manifest(distill, stage="distill", config={}, target_fingerprint="x", outputs={}, wall_time_s=0.0,
+                   inputs={"generate": consumed(generate)})
     cfg = compose_config(*eval_overrides(tiny_target_dir, prompts_file, tmp_path, "eval.num_draft_tokens=2",
                                          f"eval.draft={draft_dir}"), stage="eval")
     out = evaluation.run(cfg)

@@ -200,6 +200,7 @@ def test_offline_features_train_like_online_and_resume_by_shard(tiny_target_dir,
     # A missing shard (a killed caching run) is computed again; the others are reused.
     stamp = {p: p.stat().st_mtime_ns for p in shards}
     shards[0].unlink()
+    (offline / "manifest.json").unlink()  # a finished stage is left alone: make it one killed before its end
     heads_stage.run(compose_config(*overrides(tiny_target_dir, runs, "eagle", "heads.features=offline",
                                               "heads.cache_shard_size=4", "heads.resume=false"), stage="heads"))
     assert shards[0].is_file() and all(p.stat().st_mtime_ns == t for p, t in stamp.items() if p != shards[0])
