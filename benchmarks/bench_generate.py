@@ -21,7 +21,7 @@ from pipeline.config import GenerateConfig
 from pipeline.data.chat import eos_token_ids, first_prompt_ids
 from pipeline.data.generate import regenerate, topk_logits
 from pipeline.data.sources import load_conversations
-from pipeline.decode.decoder import left_pad
+from pipeline.decode.types import left_pad
 from pipeline.models import load_target
 
 

@@ -23,7 +23,8 @@ import torch
 
 import pipeline.decode.layout as layout
 from pipeline.decode.attention import gqa_attention
-from pipeline.distill.draft import new_draft, restrict_vocabulary
+from pipeline.decode.prepare import restrict_vocabulary
+from pipeline.distill.draft import new_draft
 from pipeline.eval.measure import forward_step, median_seconds
 from pipeline.models import load_target
 

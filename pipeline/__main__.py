@@ -22,8 +22,7 @@ CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 
 def _stage(module: str) -> Callable[[Config], Path]:
     """A stage's run(cfg), imported when it runs: the config checks, `--cfg job` and their
-    errors answer in half a second instead of the 5 s that torch, transformers and datasets
-    take to import."""
+    errors answer before torch, transformers and datasets are imported (seconds)."""
     def run(cfg: Config) -> Path:
         return importlib.import_module(module).run(cfg)
 
@@ -39,14 +38,14 @@ STAGES: dict[str, Callable[[Config], Path]] = {
     "eval": _stage("pipeline.eval"),
     "export": _stage("pipeline.export"),
 }
-# What `stage=all` runs: a separate draft end to end, or with export.method=medusa|eagle|early_exit
-# the heads stage (heads=<that kind>) in place of distill.
+# What `stage=all` runs: a separate draft end to end (export.method draft_model, ngram or auto), or
+# with export.method=medusa|eagle|early_exit the heads stage (heads=<that kind>) in place of distill.
 ALL = ("generate", "distill", "eval", "export")
 
 
 def all_stages(method: str, overrides: list[str]) -> tuple[tuple[str, ...], list[str]]:
     """The stages `stage=all` runs for export.method `method`, and the overrides they get."""
-    if method == "draft_model":
+    if method in ("draft_model", "ngram", "auto"):  # the distilled draft is trained; auto picks among all
         return ALL, overrides
     chosen = [o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0].lstrip("+~") == "heads"]
     if chosen and chosen[-1] != method:

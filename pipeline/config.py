@@ -17,6 +17,9 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+METHODS = ("ngram", "draft_model", "medusa", "eagle", "early_exit")
+"""The draft kinds (pipeline/kinds.py holds what each does); the last three are heads."""
+HEAD_KINDS = METHODS[2:]
 DATA_SOURCES = ("sharegpt", "mtbench", "file")
 SPLITS = ("train", "eval", "all")
 LOGGERS = ("none", "wandb")
@@ -133,7 +136,7 @@ class GenerateConfig:
     target_answers: float = 1.0
     """Share of conversations (a fixed hash of the id) whose answers the target regenerates. The
     others keep the source's own answers (cut to max_new_tokens), which the target only scores
-    with one teacher-forced pass: on CPU ~6x cheaper per token than decoding, so a distill run
+    with one teacher-forced pass, many times cheaper per token than decoding, so a distill run
     gets far more text; the draft learns the target's distribution on it through the stored
     top-k logits (save_topk_logits) or the online teacher. Conversations without answers in the
     source are always regenerated."""
@@ -165,7 +168,8 @@ class EvalConfig:
     """0 is greedy (outputs are then checked token for token against plain decoding)."""
     top_p: float = 1.0
     num_draft_tokens: str = "auto"
-    """auto (the sweep value with the highest measured tokens/s) or a fixed number."""
+    """auto (the sweep value with the highest predicted speedup: τ and medians of interleaved
+    cost timings, steady under machine noise) or a fixed number."""
     sweep: list[int] = field(default_factory=lambda: [1, 2, 3, 4, 6])
     """num_draft_tokens values measured for each drafter (with num_draft_tokens=auto)."""
     confidence_threshold: float = 0.0
@@ -248,11 +252,12 @@ class ExportConfig:
     """Where to write the bundle (default runs/<run>/export). An existing bundle there is replaced
     once the new one is complete; any other existing folder, and the run's own folders, are refused."""
     method: str = "draft_model"
-    """What to export: draft_model (runs/<run>/distill) or trained heads medusa, eagle or
-    early_exit (runs/<run>/heads/<kind>), each with the numbers eval measured for it."""
+    """What to export, with the numbers eval measured for it: draft_model (runs/<run>/distill),
+    trained heads medusa, eagle or early_exit (runs/<run>/heads/<kind>), ngram (prompt lookup:
+    settings only), or auto: the fastest lossless one eval measured (its tree, where a tree won)."""
 
     def __post_init__(self) -> None:
-        _check_choice("export.method", self.method, ("draft_model", "medusa", "eagle", "early_exit"))
+        _check_choice("export.method", self.method, (*METHODS, "auto"))
 
 
 DRAFT_KINDS = ("new", "pretrained")
@@ -358,10 +363,8 @@ class TrainConfig:
 
 @dataclass
 class DistillConfig(TrainConfig):
-    """The distill stage: train the draft to match the target's next-token distributions.
-
-    The CPU recipe (experiment=recipe_cpu: 2400 steps, precision auto) takes about 30 minutes on
-    2 CPU cores with AVX512-BF16 (bf16 autocast) and about 50 in fp32 on 2 AVX2 cores, see README."""
+    """The distill stage: train the draft to match the target's next-token distributions
+    (experiment=recipe_cpu is the CPU recipe; its measured runs are in docs/)."""
 
     loss: str = "forward_kl"
     """forward_kl, reverse_kl, jsd, tv (1 - expected acceptance) or ce (the target's tokens only)."""
@@ -390,9 +393,6 @@ class DistillConfig(TrainConfig):
                              "its own samples; use a KD loss with distill.onpolicy_fraction")
         if not 0.0 < self.jsd_beta < 1.0:
             raise ValueError(f"distill.jsd_beta must be in (0, 1), got {self.jsd_beta}")
-
-
-HEAD_KINDS = ("medusa", "eagle", "early_exit")
 
 
 @dataclass

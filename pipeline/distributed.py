@@ -15,17 +15,10 @@ def process_state():
     return PartialState(cpu=not torch.cuda.is_available(), timeout=datetime.timedelta(hours=12))
 
 
-def finish(state) -> None:
-    """Tear the process group down cleanly (gloo otherwise aborts at exit about 1 run in 3)."""
-    if state.num_processes > 1 and torch.distributed.is_initialized():
-        state.wait_for_everyone()
-        torch.distributed.destroy_process_group()
-
-
 def native_bf16(device_type: str) -> bool:
     """Whether this machine computes bfloat16 natively: a CUDA GPU with bf16, or a CPU with
-    AVX512-BF16 or AMX. Elsewhere (an AVX2 laptop, say) bf16 autocast is emulated: a distill
-    step of the CPU recipe took 33 s against 1.3 s in fp32 on a 2-core AVX2 CPU."""
+    AVX512-BF16 or AMX. Elsewhere (an AVX2 laptop, say) bf16 autocast is emulated and many
+    times slower than fp32 (`make bench-train` measures both)."""
     if device_type == "cuda":
         return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
     if device_type == "cpu":

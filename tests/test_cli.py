@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, run_cli
+from conftest import run_cli
 
 
 def error_line(proc) -> str:

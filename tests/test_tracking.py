@@ -1,3 +1,5 @@
+import time
+
 from conftest import compose_config
 from pipeline.data import generate
 from pipeline.tracking import Tracker, start_tracker
@@ -19,6 +21,14 @@ def test_wandb_offline_records_the_stage_metrics(tiny_target_dir, chat_file, tmp
     runs = list((tmp_path / "w" / "wandb").glob("offline-run-*"))
     assert len(runs) == 1
     # An offline run keeps its history in the run's .wandb log (protobuf: keys appear verbatim).
-    history = next(runs[0].glob("run-*.wandb")).read_bytes()
-    for key in ("generate/num_conversations", "generate/num_generated_tokens", "generate/tokens_per_s"):
-        assert key.encode() in history, key
+    # wandb's service process writes it asynchronously, after finish() returns: wait for it.
+    keys = [k.encode() for k in ("generate/num_conversations", "generate/num_generated_tokens",
+                                 "generate/tokens_per_s")]
+    deadline, history = time.monotonic() + 120, b""
+    while time.monotonic() < deadline:
+        history = b"".join(p.read_bytes() for p in runs[0].glob("run-*.wandb"))
+        if all(k in history for k in keys):
+            break
+        time.sleep(0.2)
+    for key in keys:
+        assert key in history, key

@@ -1,6 +1,14 @@
-"""Our own lossless speculative decoder: plain decoding, chain drafts from n-grams, draft models and heads, greedy and sampling."""
+"""Our own lossless speculative decoder: plain decoding, chains from n-grams, draft models and
+heads, and token trees, greedy and sampling. Module order (each imports only those before it):
+types, kv, sampling, chain, ngram / draft_model / medusa / eagle, decoder, tree."""
 
-from pipeline.decode.decoder import DecodeResult, plain_decode, speculative_decode
-from pipeline.decode.drafters import Drafter, EagleDrafter, MedusaDrafter, ModelDrafter, NgramDrafter
+from pipeline.decode.decoder import plain_decode, speculative_decode
+from pipeline.decode.draft_model import ModelDrafter
+from pipeline.decode.eagle import EagleDrafter
+from pipeline.decode.medusa import MedusaDrafter
+from pipeline.decode.ngram import NgramDrafter
+from pipeline.decode.tree import tree_decode
+from pipeline.decode.types import DecodeResult, Drafter
 
-__all__ = ["DecodeResult", "Drafter", "EagleDrafter", "MedusaDrafter", "ModelDrafter", "NgramDrafter", "plain_decode", "speculative_decode"]
+__all__ = ["DecodeResult", "Drafter", "EagleDrafter", "MedusaDrafter", "ModelDrafter", "NgramDrafter", "plain_decode",
+           "speculative_decode", "tree_decode"]

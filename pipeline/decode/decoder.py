@@ -10,56 +10,13 @@ holds all of it but the last token, which opens the next forward's chunk.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 
-from pipeline.decode.drafters import Drafter
 from pipeline.decode.kv import SlotCache
-from pipeline.decode.sampling import accept_greedy, accept_sampling, process_logits, sample
-
-
-@dataclass
-class DecodeResult:
-    tokens: list[list[int]]
-    """Emitted tokens per row (an end-of-turn token included)."""
-    target_passes: list[int]
-    """Target forward passes each row took part in, the prefill included."""
-    proposed_by_position: list[int] = field(default_factory=list)
-    """How often draft position i was verified (every earlier position accepted)."""
-    accepted_by_position: list[int] = field(default_factory=list)
-    topk_ids: list[torch.Tensor] = field(default_factory=list)
-    """plain_decode(topk=k): per row, the target's k largest raw logits' token ids [G, k] (int32) at
-    each of its G emitted tokens, taken from the logits that token was chosen from."""
-    topk_logits: list[torch.Tensor] = field(default_factory=list)
-    """... and those logits [G, k] (float32)."""
-
-    @property
-    def tau(self) -> float:
-        """Mean tokens emitted per target pass (1.0 for plain decoding)."""
-        return sum(map(len, self.tokens)) / max(sum(self.target_passes), 1)
-
-    @property
-    def acceptance_by_position(self) -> list[float]:
-        return [a / p if p else 0.0 for a, p in zip(self.accepted_by_position, self.proposed_by_position)]
-
-
-def left_pad(prompts: list[list[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(p) for p in prompts)
-    tokens = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    valid = torch.zeros((len(prompts), width), dtype=torch.bool)
-    for row, p in enumerate(prompts):
-        tokens[row, width - len(p):] = torch.tensor(p, dtype=torch.long)
-        valid[row, width - len(p):] = True
-    return tokens.to(device), valid.to(device)  # [B, S], [B, S]
-
-
-def next_token(logits: torch.Tensor, temperature: float, top_p: float, generator) -> torch.Tensor:
-    """[B, V] -> [B]: argmax when greedy, else a sample from the processed distribution."""
-    if temperature == 0:
-        return logits.argmax(dim=-1)
-    return sample(process_logits(logits, temperature, top_p), generator)
+from pipeline.decode.sampling import accept_greedy, accept_sampling, next_token, process_logits
+from pipeline.decode.types import DecodeResult, Drafter, Rows, left_pad
 
 
 def prefill(kv: SlotCache, prompts: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -80,39 +37,6 @@ def target_pass(kv: SlotCache, tokens: torch.Tensor, valid: Optional[torch.Tenso
 def decode_one_token(kv: SlotCache, last: torch.Tensor) -> torch.Tensor:
     """Cache `last` [B] and return the logits for the token after it. [B, V]"""
     return kv.forward(last[:, None])[:, -1]
-
-
-class Rows:
-    """The rows still decoding: their committed sequences, outputs and stopping rules."""
-
-    def __init__(self, prompts: list[list[int]], max_new_tokens: int, eos_ids: set[int]):
-        self.seqs = [list(p) for p in prompts]
-        self.out: list[list[int]] = [[] for _ in prompts]
-        self.passes = [0] * len(prompts)
-        self.active = list(range(len(prompts)))  # original index of each live row
-        self.max_new_tokens, self.eos_ids = max_new_tokens, eos_ids
-
-    def emit(self, row: int, tokens: list[int]) -> bool:
-        """Append tokens to live row `row`, stopping at end-of-turn or the budget; True if finished."""
-        i = self.active[row]
-        self.passes[i] += 1
-        for t in tokens[: self.max_new_tokens - len(self.out[i])]:
-            self.out[i].append(t)
-            self.seqs[i].append(t)
-            if t in self.eos_ids:
-                return True
-        return len(self.out[i]) >= self.max_new_tokens
-
-    def live_seqs(self) -> list[list[int]]:
-        return [self.seqs[i] for i in self.active]
-
-    def drop(self, finished: list[bool]) -> Optional[torch.Tensor]:
-        """Forget finished rows; the indices of the rows that remain, or None if none finished."""
-        if not any(finished):
-            return None
-        keep = [r for r, done in enumerate(finished) if not done]
-        self.active = [self.active[r] for r in keep]
-        return torch.tensor(keep, dtype=torch.long)
 
 
 @torch.inference_mode()

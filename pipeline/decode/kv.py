@@ -17,7 +17,7 @@ def in_place_cache(config):
     """transformers' DynamicCache whose full-attention layers write into preallocated buffers.
 
     DynamicLayer concatenates every new key/value onto the cache, copying all of it at each
-    step (11% of a decode step at 400 tokens on our CPU); this layer writes in place and
+    step (a cost that grows with the context); this layer writes in place and
     returns views, doubling its capacity when it runs out.
     """
     from transformers import DynamicCache

@@ -3,26 +3,21 @@
 A decode step multiplies one to a few token rows by every weight matrix: it streams the
 weights from memory once and does little arithmetic, so a step of 5 rows should cost about
 what a step of 1 row costs. On CPU it does not with nn.Linear: x @ W.T goes to MKL's
-small-M GEMM, which on our 2-core CPU costs about linearly in the rows (a 1536x576 fp32
-weight: 410 µs at 1 row, 690 at 2, 1040 at 3), so verifying k draft tokens cost 1.5-1.8
-target forwards and ate most of the speculative gain.
+small-M GEMM, whose cost grows about linearly in the rows on small CPUs, so verifying k
+draft tokens costs several target forwards and eats the speculative gain.
 
 `decode_layout` switches a model's CPU nn.Linear modules to SmallBatchLinear, which runs
 inputs of at most MAX_ROWS rows through one of two products:
 
 - One or two rows: (W @ x.T).T, with W in its usual [out, in] layout: MKL's kernel for a
-  wide matrix times a few columns, which streams W once (300-470 µs for 1 to 5 rows of the
-  weight above). One row is run as two (the single-column kernel is slower).
+  wide matrix times a few columns, which streams W once. One row is run as two (the
+  single-column kernel is slower).
 - ONEDNN_MIN_ROWS (3) rows and more, for fp32 weights where PyTorch has oneDNN (and bf16
   weights where the CPU has bf16 instructions, see onednn_dtypes):
   oneDNN's linear on a copy of the weight reordered once into its blocked layout (the
   kernel inductor uses for frozen CPU linears). Its cost is nearly flat in the rows, but
-  each call costs more to set up, so it loses below 3 rows (with oneDNN for every row
-  count the 2-layer recipe draft's step was 35% slower). `make bench-verify` on the
-  embedded target (context 300): a forward of 1 / 2 / 3 / 5 / 9 / 17 tokens costs 1.00 /
-  1.13 / 1.36 / 1.60 / 2.35 / 2.70 single-token forwards with the first product alone and
-  1.00 / 1.13 / 1.30 / 1.20 / 1.37 / 1.71 with oneDNN from 3 rows: a tree of 9 tokens
-  costs about what a chain of 3 did.
+  each call costs more to set up, so it loses below 3 rows. `make bench-verify` measures a
+  forward's cost by tokens verified for each of these products (its table is in docs/).
   Each such layer keeps the reordered copy beside its weight (the model's linear weights
   once more in memory), made on the first call and again whenever the weight changes (its
   version or storage). Calls that need gradients use the first product.

@@ -81,3 +81,10 @@ def accept_sampling(
     residual = torch.where(mass > 0, residual / mass.clamp(min=1e-30), p_next)
     next_probs = torch.where(rejected[:, None], residual, p_next)
     return num_accepted, sample(next_probs, generator)
+
+
+def next_token(logits: torch.Tensor, temperature: float, top_p: float, generator) -> torch.Tensor:
+    """[B, V] -> [B]: argmax when greedy, else a sample from the processed distribution."""
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    return sample(process_logits(logits, temperature, top_p), generator)

@@ -15,22 +15,13 @@ Acceptance walks down from the root (the last committed token):
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
-from pipeline.decode.decoder import DecodeResult, Rows, left_pad, next_token
 from pipeline.decode.kv import SlotCache
-from pipeline.decode.sampling import process_logits, sample
-
-
-@dataclass
-class TreeProposal:
-    tokens: torch.Tensor
-    """[N] target token ids; every node comes after its parent."""
-    parents: torch.Tensor
-    """[N] index of each node's parent node, -1 for the root (the last committed token)."""
+from pipeline.decode.sampling import next_token, process_logits, sample
+from pipeline.decode.types import DecodeResult, Rows, TreeProposal, left_pad
 
 
 def ancestors(parents: torch.Tensor) -> torch.Tensor:
@@ -123,31 +114,3 @@ def _tree_decode_one(model, drafter, prompt, budget, max_new_tokens, eos_ids, pa
         finished = rows.emit(0, chunk[0, index[1:]].tolist() + [following])
         last = torch.tensor([following], device=device)
     return DecodeResult(rows.out, rows.passes, proposed, accepted)
-
-
-def static_tree(budget: int, num_heads: int, width: int = 10, head_decay: float = 0.6,
-                rank_decay: float = 0.4) -> list[tuple[int, ...]]:
-    """A Medusa-style static tree of `budget` nodes as paths of candidate ranks ((0,) is head
-    1's top token, (0, 1) head 2's second token after it, ...): the paths most likely to be
-    accepted when head d's rank-r candidate is right with probability ∝ head_decay^d rank_decay^r.
-    Parents always come before their children."""
-    import heapq
-
-    chosen: list[tuple[int, ...]] = []
-    heap = [(-1.0, (0,))]
-    seen = {(0,)}
-    while heap and len(chosen) < budget:
-        neg, path = heapq.heappop(heap)
-        chosen.append(path)
-        depth = len(path)
-        candidates = [path[:-1] + (path[-1] + 1,)] if path[-1] + 1 < width else []
-        if depth < num_heads:
-            candidates.append(path + (0,))
-        for c in candidates:
-            if c not in seen:
-                seen.add(c)
-                weight = 1.0
-                for d, r in enumerate(c):
-                    weight *= head_decay ** d * rank_decay ** r
-                heapq.heappush(heap, (-weight, c))
-    return sorted(chosen, key=lambda p: (len(p), p))

@@ -154,21 +154,27 @@ def read_draft_vocab(folder: Path, vocab_size: int) -> Optional[torch.Tensor]:
     return ids
 
 
-def restrict_vocabulary(draft: torch.nn.Module, ids: torch.Tensor) -> None:
-    """Keep only the LM-head rows of `ids` (a new, untied head), in place; the draft's logits
-    then index ids, and `draft.draft_to_target` maps them back to target tokens."""
-    head = draft.get_output_embeddings()
-    weight = head.weight.detach()[ids.to(head.weight.device)].clone()
-    new = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device, dtype=weight.dtype)
-    new.weight = torch.nn.Parameter(weight, requires_grad=False)
-    draft.set_output_embeddings(new)
-    draft.draft_to_target = ids.to(weight.device)
-
-
 def check_vocabulary(draft: torch.nn.Module, target: torch.nn.Module, name: str) -> None:
     if draft.config.vocab_size != target.config.vocab_size:
         raise PipelineError(f"draft {name} has a vocabulary of {draft.config.vocab_size} tokens but the target has "
                             f"{target.config.vocab_size}: a draft must use the target's tokenizer")
+
+
+def load_draft(path: Path, target) -> torch.nn.Module:
+    """A separate draft model from a save_pretrained folder (safetensors, no remote code), on the
+    target's device and dtype, with its draft vocabulary (draft_to_target) when it has one."""
+    from transformers import AutoModelForCausalLM
+
+    if not path.is_dir():
+        raise PipelineError(f"draft folder {path} does not exist")
+    dtype = next(target.model.parameters()).dtype
+    try:
+        draft = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, use_safetensors=True, trust_remote_code=False)
+    except (OSError, ValueError) as e:
+        raise PipelineError(f"cannot load a draft model from {path}: {str(e).strip().splitlines()[0]}") from None
+    check_vocabulary(draft, target.model, str(path))
+    draft.draft_to_target = read_draft_vocab(path, target.model.config.vocab_size)
+    return draft.to(target.device).eval()
 
 
 def add_lora(draft: torch.nn.Module, *, rank: int, alpha: float, dropout: float, target_modules: list[str]):

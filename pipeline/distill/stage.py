@@ -215,10 +215,11 @@ def onpolicy_batch(draft: torch.nn.Module, examples: list[Example], num_tokens: 
     return Batch(ids, valid, rows, cols, ids[rows, cols + 1])
 
 
-def save_state(folder: Path, accelerator, model, optimizer, scheduler, step: int, onpolicy_rng: torch.Generator,
-               plan: str, start_stats: Optional[dict]) -> None:
+def save_state(folder: Path, accelerator, model, optimizer, scheduler, step: int,
+               onpolicy_rng: Optional[torch.Generator], plan: str, start_stats: Optional[dict]) -> None:
     """A resumable checkpoint written atomically: trainable weights (safetensors), optimizer
-    (tensors only, read back with weights_only=True), scheduler, step and RNG states."""
+    (tensors only, read back with weights_only=True), scheduler, step and RNG states (the
+    on-policy sampler's, for a stage that has one)."""
     from safetensors.torch import save_file
 
     accelerator.wait_for_everyone()
@@ -242,14 +243,16 @@ def save_state(folder: Path, accelerator, model, optimizer, scheduler, step: int
             atomic_write_json(tmp / "trainer.json", dict(
                 step=step, plan=plan, start_stats=start_stats, deepspeed_dir=deepspeed_dir,
                 scheduler=scheduler.state_dict(),
-                torch_rng=torch.get_rng_state().tolist(), onpolicy_rng=onpolicy_rng.get_state().tolist()))
+                torch_rng=torch.get_rng_state().tolist(),
+                onpolicy_rng=onpolicy_rng.get_state().tolist() if onpolicy_rng is not None else None))
         for stale in folder.glob("deepspeed-*"):
             if stale.name != deepspeed_dir:
                 remove(stale)
     accelerator.wait_for_everyone()
 
 
-def load_state(folder: Path, accelerator, model, optimizer, scheduler, onpolicy_rng: torch.Generator) -> dict:
+def load_state(folder: Path, accelerator, model, optimizer, scheduler,
+               onpolicy_rng: Optional[torch.Generator] = None) -> dict:
     from safetensors.torch import load_file
 
     last = folder / "last"
@@ -266,7 +269,8 @@ def load_state(folder: Path, accelerator, model, optimizer, scheduler, onpolicy_
         (optimizer.optimizer if hasattr(optimizer, "optimizer") else optimizer).load_state_dict(state)
     scheduler.load_state_dict(trainer["scheduler"])
     torch.set_rng_state(torch.tensor(trainer["torch_rng"], dtype=torch.uint8))
-    onpolicy_rng.set_state(torch.tensor(trainer["onpolicy_rng"], dtype=torch.uint8))
+    if onpolicy_rng is not None:
+        onpolicy_rng.set_state(torch.tensor(trainer["onpolicy_rng"], dtype=torch.uint8))
     return trainer
 
 

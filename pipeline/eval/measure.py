@@ -15,12 +15,11 @@ import torch
 
 from pipeline.data.chat import first_prompt_ids, next_turn_ids
 from pipeline.data.sources import Conversation
-from pipeline.decode import DecodeResult, ModelDrafter, NgramDrafter, plain_decode, speculative_decode
+from pipeline.decode import DecodeResult, plain_decode, speculative_decode, tree_decode
+from pipeline.kinds import DraftOptions, kind_of_method
 
 Decode = Callable[[list[list[int]]], DecodeResult]
 HF_METHODS = ("hf_generate", "hf_prompt_lookup", "hf_assisted")
-HEAD_METHODS = ("medusa", "eagle", "early_exit")
-TREE_METHODS = ("medusa_tree", "eagle_tree")
 
 
 @dataclass
@@ -97,38 +96,26 @@ class Measurement:
 
 def make_decode(drafter: str, settings: Settings, num_draft_tokens: Optional[int] = None,
                 draft_model: Optional[torch.nn.Module] = None) -> Decode:
-    """A function prompts -> DecodeResult for one method at one num_draft_tokens."""
+    """A function prompts -> DecodeResult for one method (plain, an HF method, a kind or its
+    `<kind>_tree`) at one num_draft_tokens (a tree's: its budget)."""
     s = settings
     common = dict(max_new_tokens=s.max_new_tokens, eos_ids=s.eos_ids, pad_id=s.pad_id,
                   temperature=s.temperature, top_p=s.top_p)
     generator = torch.Generator(device=next(s.model.parameters()).device).manual_seed(s.seed)
     if drafter == "plain":
         return lambda prompts: plain_decode(s.model, prompts, generator=generator, **common)
-    if drafter == "ngram":
-        vocab = s.model.config.vocab_size
-        return lambda prompts: speculative_decode(
-            s.model, NgramDrafter(s.ngram_max, s.ngram_min, s.temperature, vocab), prompts,
-            num_draft_tokens=num_draft_tokens, generator=generator, **common)
-    if drafter == "draft_model":
-        return lambda prompts: speculative_decode(
-            s.model, ModelDrafter(draft_model, s.temperature, s.top_p, generator,
-                                  confidence_threshold=s.confidence_threshold), prompts,
-            num_draft_tokens=num_draft_tokens, generator=generator, **common)
-    if drafter in HEAD_METHODS or drafter in TREE_METHODS:
-        from pipeline.decode.tree import tree_decode
-        from pipeline.heads import heads_drafter
-
-        make = lambda: heads_drafter(draft_model, s.model, s.temperature, s.top_p, generator, tree_depth=s.tree_depth,
-                                     tree_topk=s.tree_topk, medusa_choices=s.medusa_choices,
-                                     confidence_threshold=s.confidence_threshold)
-        if drafter in TREE_METHODS:
-            return lambda prompts: tree_decode(s.model, make(), prompts, budget=num_draft_tokens,
-                                               generator=generator, **common)
-        return lambda prompts: speculative_decode(s.model, make(), prompts, num_draft_tokens=num_draft_tokens,
-                                                  generator=generator, **common)
     if drafter in HF_METHODS:
         return hf_decode(drafter, settings, num_draft_tokens, draft_model)
-    raise ValueError(f"unknown drafter {drafter!r}")
+    kind, tree = kind_of_method(drafter)
+    options = DraftOptions(temperature=s.temperature, top_p=s.top_p, generator=generator, ngram_max=s.ngram_max,
+                           ngram_min=s.ngram_min, tree_depth=s.tree_depth, tree_topk=s.tree_topk,
+                           medusa_choices=s.medusa_choices, confidence_threshold=s.confidence_threshold)
+    make = lambda: kind.drafter(draft_model, s.model, options)  # a fresh drafter (and its caches) per call
+    if tree:
+        return lambda prompts: tree_decode(s.model, make(), prompts, budget=num_draft_tokens, generator=generator,
+                                           **common)
+    return lambda prompts: speculative_decode(s.model, make(), prompts, num_draft_tokens=num_draft_tokens,
+                                              generator=generator, **common)
 
 
 def hf_decode(kind: str, settings: Settings, num_draft_tokens: Optional[int], draft_model) -> Decode:
@@ -165,7 +152,7 @@ def hf_decode(kind: str, settings: Settings, num_draft_tokens: Optional[int], dr
 
 
 def _sync(model) -> None:
-    if next(model.parameters()).is_cuda:
+    if model is not None and next(model.parameters()).is_cuda:
         torch.cuda.synchronize()
 
 
@@ -185,7 +172,6 @@ def measure(
     The methods take turns on each batch of prompts, in rotating order, so that a slow
     stretch of a shared or throttled machine hits every method alike.
     """
-    tok = settings.tokenizer
     results = {name: Measurement(drafter=m.drafter, num_draft_tokens=m.num_draft_tokens) for name, m in methods.items()}
     answers = {name: {c.id: [] for c in conversations} for name in methods}
     for r in results.values():
@@ -320,23 +306,57 @@ def heads_step(heads, target, context: int = 128) -> tuple[Callable[[], None], i
     return step, 1
 
 
+def tree_round_step(drafter, target, budget: int, context: int = 128) -> Callable[[], None]:
+    """One drafting round of a tree drafter (all its draft work per target pass) after a cached
+    `context` of random tokens, then one accepted position for the next round to catch up on."""
+    device = next(target.parameters()).device
+    dtype = next(target.parameters()).dtype
+    gen = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, target.config.vocab_size, (1, context), generator=gen).to(device)
+    valid = torch.ones_like(prompt, dtype=torch.bool)
+    width = len(drafter.feature_layers) * target.config.hidden_size
+    features = torch.randn((1, context, width), generator=gen).to(device=device, dtype=dtype)
+    seq = prompt[0].tolist()
+    one = valid[:, -1:]
+    with torch.inference_mode():
+        drafter.start(prompt, valid)
+        drafter.observe(features, valid)
+
+    def step() -> None:
+        drafter.propose_tree(seq, budget)
+        drafter.observe(features[:, -1:], one)
+
+    return step
+
+
 @torch.inference_mode()
 def median_seconds(steps: dict[Hashable, Callable[[], None]], sync_model, reps: int = 9,
-                   warmup: int = 2) -> dict[Hashable, float]:
+                   warmup: int = 2, clock: Callable[[], float] = time.perf_counter) -> dict[Hashable, float]:
     """Median time of each call, timed round-robin (every call once per round) so that the
-    machine's drift over the seconds this takes touches them all alike: the costs are ratios
-    of these times, and timing one call after another misread a 2-token verification as
-    0.4 single-token forwards on a CPU whose speed wandered."""
+    machine's drift over the seconds this takes touches them all alike, and a stall that hits
+    a few rounds (another process taking the cores) moves no median: the costs are ratios of
+    these times, from which eval predicts each method's speedup and picks its num_draft_tokens."""
     times: dict[Hashable, list[float]] = {name: [] for name in steps}
     for round_ in range(warmup + reps):
         for name, step in steps.items():
             _sync(sync_model)
-            t0 = time.perf_counter()
+            t0 = clock()
             step()
             _sync(sync_model)
             if round_ >= warmup:
-                times[name].append(time.perf_counter() - t0)
+                times[name].append(clock() - t0)
     return {name: sorted(t)[len(t) // 2] for name, t in times.items()}
+
+
+def best_num_draft_tokens(rows: list[dict]) -> int:
+    """The sweep value to run a method at: the highest predicted speedup (its parts are τ, which
+    greedy decoding fixes, and the medians of interleaved cost timings), so that the choice does
+    not follow a sweep's wall-clock noise (one busy stretch can make any value look fastest).
+    Where some value has no prediction (chains that end early on confidence),
+    the highest measured tokens/s of the round-robin sweep."""
+    if all(r["predicted_speedup"] is not None for r in rows):
+        return max(rows, key=lambda r: r["predicted_speedup"])["num_draft_tokens"]
+    return max(rows, key=lambda r: r["tokens_per_s"])["num_draft_tokens"]
 
 
 def expected_tokens_per_pass(acceptance_by_position: list[float], proposal_rate: float = 1.0) -> float:

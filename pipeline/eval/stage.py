@@ -10,6 +10,7 @@ import copy
 import dataclasses
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -18,17 +19,18 @@ from tqdm.auto import tqdm
 
 from pipeline.config import Config
 from pipeline.data.chat import eos_token_ids, first_prompt_ids, load_chat_data
-from pipeline.decode.attention import gqa_attention
-from pipeline.decode.layout import decode_layout, int8_linears, is_int8
-from pipeline.distill.draft import check_vocabulary, read_draft_vocab, restrict_vocabulary
+from pipeline.decode.layout import is_int8
+from pipeline.decode.prepare import prepare_for_decoding
+from pipeline.distill.draft import load_draft
 from pipeline.errors import PipelineError
 from pipeline.eval.measure import (
-    Measurement, Method, Settings, forward_step, greedy_divergences, heads_step, make_decode, measure,
-    median_seconds, predicted_speedup,
+    Measurement, Method, Settings, best_num_draft_tokens, forward_step, greedy_divergences, heads_step, make_decode,
+    measure, median_seconds, predicted_speedup, tree_round_step,
 )
 from pipeline.eval.report import write_report
-from pipeline.models import Target, load_target
 from pipeline.files import remove
+from pipeline.kinds import KINDS, TREE_SUFFIX, Kind, kind_of_method, make_drafter
+from pipeline.models import Target, load_target
 from pipeline.runs import (
     MANIFEST, check_trained, consumed, hash_tree, own_stage_dir, read_manifest, stage_dir, write_manifest,
 )
@@ -39,100 +41,65 @@ STAGE = "eval"
 HF_EQUIVALENT = {"ngram": "hf_prompt_lookup", "draft_model": "hf_assisted"}
 
 
-def load_draft(path: Path, target: Target) -> torch.nn.Module:
-    """A separate draft model from a save_pretrained folder (safetensors), on the target's device and dtype."""
-    from transformers import AutoModelForCausalLM
+@dataclass
+class Draft:
+    """A draft eval measures: its kind and weights (None for ngram), and where it came from."""
 
-    if not path.is_dir():
-        raise PipelineError(f"draft folder {path} does not exist")
-    dtype = next(target.model.parameters()).dtype
-    try:
-        draft = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, use_safetensors=True, trust_remote_code=False)
-    except (OSError, ValueError) as e:
-        raise PipelineError(f"cannot load a draft model from {path}: {str(e).strip().splitlines()[0]}") from None
-    check_vocabulary(draft, target.model, str(path))
-    draft.draft_to_target = read_draft_vocab(path, target.model.config.vocab_size)
-    return draft.to(target.device).eval()
+    kind: Kind
+    module: Optional[torch.nn.Module]
+    inputs: Optional[tuple[str, dict]] = None
+    """(manifest key, consumed(...)) for a draft trained in this run: eval's manifest records it."""
 
 
-def find_drafts(cfg: Config, target: Target, heads: dict[str, torch.nn.Module]) -> tuple[dict[str, torch.nn.Module], dict[str, int]]:
-    """The run's distilled draft (if its stage finished), eval.draft and eval.bundle, by method
-    name; and the num_draft_tokens a bundle was exported with, by method name. A bundle of
-    heads joins `heads` (as `<kind>`, or `<kind>:bundle` when the run has its own)."""
-    drafts, bundle_k = {}, {}
-    distill = stage_dir(cfg.runs_dir, cfg.run, "distill")
-    if (distill / MANIFEST).is_file():
-        manifest = read_manifest(distill, "distill", cfg.run)
-        check_trained(manifest, distill, stage_dir(cfg.runs_dir, cfg.run, "generate"), cfg.run)
-        drafts["draft_model"] = load_draft(distill / "checkpoint", target)
+def tree_name(name: str) -> str:
+    """`eagle` -> `eagle_tree`, `eagle:bundle` -> `eagle_tree:bundle`."""
+    base, sep, variant = name.partition(":")
+    return f"{base}{TREE_SUFFIX}{sep}{variant}"
+
+
+def find_drafts(cfg: Config, target: Target) -> tuple[dict[str, Draft], dict[str, int]]:
+    """Every draft to measure, by method name: ngram (eval.ngram), each kind trained in this run
+    (its stage finished, still the one its generate stage made), eval.draft and eval.bundle;
+    and the num_draft_tokens a bundle was exported with, by method name."""
+    found: dict[str, Draft] = {"ngram": Draft(KINDS["ngram"], None)} if cfg.eval.ngram else {}
+    generate_dir = stage_dir(cfg.runs_dir, cfg.run, "generate")
+    for kind in KINDS.values():
+        if kind.trained_by is None:
+            continue
+        folder = kind.trained_folder(cfg.runs_dir, cfg.run)
+        if not (folder / MANIFEST).is_file():
+            continue
+        extra = f"heads={kind.name}" if kind.trained_by == "heads" else ""
+        manifest = read_manifest(folder, kind.trained_by, cfg.run, extra=extra)
+        check_trained(manifest, folder, generate_dir, cfg.run, extra)
+        if manifest.get("target_fingerprint") != target.fingerprint():
+            raise PipelineError(f"{folder} was trained on another target (fingerprint "
+                                f"{str(manifest.get('target_fingerprint'))[:12]}…); retrain it for this one")
+        key = "distill" if kind.trained_by == "distill" else f"heads/{kind.name}"
+        found[kind.name] = Draft(kind, kind.load(folder / kind.weights, target), (key, consumed(folder)))
     if cfg.eval.draft:
         path = Path(cfg.eval.draft).expanduser()
-        drafts["draft_model" if not drafts else f"draft_model:{path.name}"] = load_draft(path, target)
+        name = "draft_model" if "draft_model" not in found else f"draft_model:{path.name}"
+        found[name] = Draft(KINDS["draft_model"], load_draft(path, target))
+    bundle_k = {}
     if cfg.eval.bundle:
         from pipeline.export import load_bundle
 
         bundle = load_bundle(cfg.eval.bundle, target)
-        if bundle.method == "draft_model":
-            name = "draft_model" if not drafts else "draft_model:bundle"
-            drafts[name] = bundle.draft
-        else:
-            name = bundle.method if bundle.method not in heads else f"{bundle.method}:bundle"
-            heads[name] = bundle.draft
-        bundle_k[name] = bundle.num_draft_tokens
-        log.info("eval: bundle %s (target fingerprint and checksums verified), num_draft_tokens %d",
-                 bundle.path, bundle.num_draft_tokens)
-    return drafts, bundle_k
+        name = bundle.method if bundle.method not in found else f"{bundle.method}:bundle"
+        found[name] = Draft(KINDS[bundle.method], bundle.draft)
+        bundle_k[tree_name(name) if bundle.tree else name] = bundle.num_draft_tokens
+        log.info("eval: bundle %s (target fingerprint and checksums verified), %s %d", bundle.path,
+                 "tree of" if bundle.tree else "num_draft_tokens", bundle.num_draft_tokens)
+    return found, bundle_k
 
 
-HEAD_KINDS = ("medusa", "eagle", "early_exit")
-
-
-def find_heads(cfg: Config, target: Target) -> dict[str, torch.nn.Module]:
-    """The run's trained heads (runs/<run>/heads/<kind>/, stage finished), by method name."""
-    from pipeline.heads.models import load_heads
-
-    found = {}
-    for kind in HEAD_KINDS:
-        folder = stage_dir(cfg.runs_dir, cfg.run, "heads") / kind
-        if (folder / MANIFEST).is_file():
-            manifest = read_manifest(folder, "heads", cfg.run, extra=f"heads={kind}")
-            check_trained(manifest, folder, stage_dir(cfg.runs_dir, cfg.run, "generate"), cfg.run, f"heads={kind}")
-            if manifest.get("target_fingerprint") != target.fingerprint():
-                raise PipelineError(f"{folder} was trained on another target (fingerprint "
-                                    f"{str(manifest.get('target_fingerprint'))[:12]}…); retrain it for this one")
-            found[kind] = load_heads(folder, target.model)
-    return found
-
-
-def prepare_for_decoding(model: torch.nn.Module, drafts: dict[str, torch.nn.Module], *, layout: bool,
-                         compare_hf: bool, heads: Optional[dict[str, torch.nn.Module]] = None,
-                         int8: tuple[str, ...] = ()):
-    """Prepare the target and drafts for our decoder, in place: drafts with a draft vocabulary
-    keep only its LM-head rows (distill/draft.py), the drafts and heads named in `int8` run
-    their own CPU linear layers in int8 (decode/layout.py), and on CPU with `layout` every linear layer
-    runs few-row inputs through the small-batch product (decode/layout.py) and grouped-query
-    attention reads the cache without copying it per head (decode/attention.py).
-
-    Returns the target and drafts for HF's methods: copies as transformers loaded them (where
-    anything changed), so that HF generate runs on the model every transformers user gets. The
-    copy costs the target's weights in memory once more."""
-    layout = layout and next(model.parameters()).device.type == "cpu"
-    restricted = {name for name, d in drafts.items() if getattr(d, "draft_to_target", None) is not None}
-    hf_model = copy.deepcopy(model) if layout else model
-    hf_drafts = {name: copy.deepcopy(d) if layout or name in restricted or name in int8 else d
-                 for name, d in drafts.items()} if compare_hf else {}
-    for name in restricted:
-        restrict_vocabulary(drafts[name], drafts[name].draft_to_target)
-        log.info("%s proposes from its draft vocabulary of %d tokens", name, len(drafts[name].draft_to_target))
-    for name in int8:
-        if changed := int8_linears(drafts[name] if name in drafts else heads[name]):
-            log.info("%s: %d linear layers in int8 (dynamic activations)", name, changed)
-    if layout:
-        moved = sum(decode_layout(m) for m in (model, *drafts.values(), *(heads or {}).values()))
-        grouped = sum(gqa_attention(m) for m in (model, *drafts.values()))
-        log.info("decode layout: %d linear layers use the small-batch product and %d models SDPA's own "
-                 "grouped-query attention for our decoder; HF methods use a copy", moved, grouped)
-    return hf_model, hf_drafts
+def method_list(found: dict[str, Draft], trees: bool) -> list[tuple[str, str, Optional[torch.nn.Module]]]:
+    """(method name, drafter, module) of every chain, and of the tree of every kind that has one."""
+    methods = [(name, d.kind.name, d.module) for name, d in found.items()]
+    if trees:
+        methods += [(tree_name(name), d.kind.name + TREE_SUFFIX, d.module) for name, d in found.items() if d.kind.trees]
+    return methods
 
 
 def summary(m: Measurement, plain: Measurement, hf: Optional[Measurement]) -> dict:
@@ -166,6 +133,59 @@ def losslessness(model, plain: Measurement, m: Measurement, greedy: bool, name: 
     return dict(lossless=len(found) == ties, divergences=len(found), tie_divergences=ties)
 
 
+@dataclass
+class Costs:
+    """What a method's target pass costs, in target forwards of one token (medians of
+    interleaved timings, measure.median_seconds): the parts of its predicted speedup."""
+
+    target_forward_s: float
+    verify: dict[int, float]
+    """k -> a target forward of k+1 tokens."""
+    draft: dict[str, float]
+    """chain method -> one draft token."""
+    tree_round: dict[tuple[str, int], float]
+    """(tree method, budget) -> one round of tree drafting."""
+
+    def predicted(self, name: str, m: Measurement, k: int, confidence_threshold: float) -> Optional[float]:
+        """Tokens per unit of target time over plain decoding's one per pass; None where no
+        simple model holds (chains that end early on low confidence)."""
+        kind, tree = kind_of_method(name)
+        if tree:
+            return (m.total.tau or 1.0) / (self.verify[k] + self.tree_round[name, k])
+        if k > 1 and confidence_threshold > 0 and kind.stops_early:
+            return None  # chains that end early: neither k draft steps nor k verified positions
+        return predicted_speedup(m.acceptance_by_position, self.draft.get(name, 0.0), self.verify[k], m.proposal_rate)
+
+    def report(self) -> dict:
+        return dict(target_forward_s=self.target_forward_s,
+                    verify_cost_by_k={str(k): v for k, v in self.verify.items()}, draft_cost_ratio=self.draft,
+                    tree_round_cost={f"{name} {k}": v for (name, k), v in self.tree_round.items()})
+
+
+def measure_costs(target, methods, ks: list[int], budgets: dict[str, list[int]], ev) -> Costs:
+    """Time, round-robin, a target forward of 1 and of k+1 tokens, one draft step of every
+    chain draft, and one drafting round of every tree at each budget it may run at."""
+    steps = {"one": forward_step(target, 1)}
+    steps.update({("verify", k): forward_step(target, k + 1) for k in ks})
+    tokens = {}
+    for name, drafter, module in methods:
+        kind, tree = kind_of_method(name)
+        if tree:
+            for b in budgets[name]:
+                made = make_drafter(kind.name, module, target, tree_depth=ev.tree_depth, tree_topk=ev.tree_topk,
+                                    medusa_choices=ev.medusa_choices)
+                steps[("tree", name, b)] = tree_round_step(made, target, b)
+        elif kind.trained_by == "distill":
+            steps[("draft", name)], tokens[name] = forward_step(module, 1), 1
+        elif kind.trained_by == "heads":
+            steps[("draft", name)], tokens[name] = heads_step(module, target)
+    seconds = median_seconds(steps, target, reps=15)  # 15: a median that holds when a few in 5 calls stall
+    one = seconds["one"]
+    return Costs(target_forward_s=one, verify={k: seconds[("verify", k)] / one for k in ks},
+                 draft={name: seconds[("draft", name)] / n / one for name, n in tokens.items()},
+                 tree_round={(key[1], key[2]): seconds[key] / one for key in seconds if key[0] == "tree"})
+
+
 def run(cfg: Config) -> Path:
     t0 = time.perf_counter()
     out = own_stage_dir(stage_dir(cfg.runs_dir, cfg.run, STAGE), STAGE)
@@ -173,21 +193,22 @@ def run(cfg: Config) -> Path:
     ev = cfg.eval
 
     target = load_target(**dataclasses.asdict(cfg.target))
-    heads = find_heads(cfg, target)
-    run_heads = list(heads)
-    drafts, bundle_k = find_drafts(cfg, target, heads)
-    # Medusa heads only: EAGLE feeds its own features back, so int8 error compounds along a chain
-    # (recipe4: eagle_tree τ 1.55 in int8 against 1.70 in fp32); early exit is the target's own layers.
-    int8 = (*drafts, *(n for n, h in heads.items() if h.kind == "medusa")) if ev.draft_int8 else ()
+    found, bundle_k = find_drafts(cfg, target)
+    int8 = [name for name, d in found.items() if d.kind.int8] if ev.draft_int8 else []
     if ev.draft_int8 and ev.compare_draft_fp32:
-        for found in (drafts, heads):
-            found.update({f"{name}:fp32": copy.deepcopy(d) for name, d in list(found.items()) if name in int8})
-        bundle_k.update({f"{name}:fp32": k for name, k in list(bundle_k.items()) if name in int8})
+        for name in list(int8):
+            found[f"{name}:fp32"] = dataclasses.replace(found[name], module=copy.deepcopy(found[name].module))
+        for name, k in list(bundle_k.items()):  # a bundle's fp32 twin runs at the bundle's k too
+            if name.replace(TREE_SUFFIX, "", 1) in int8:
+                bundle_k[f"{name}:fp32"] = k
     tok = target.tokenizer
     data = load_chat_data(cfg.data, tok)
     convs = data.conversations[: ev.max_prompts]
-    hf_model, hf_drafts = prepare_for_decoding(target.model, drafts, layout=ev.decode_layout, compare_hf=ev.compare_hf,
-                                               heads=heads, int8=int8)
+    models = {name: d.module for name, d in found.items() if isinstance(d.module, torch.nn.Module)}
+    separate = {name: m for name, m in models.items() if found[name].kind.trained_by == "distill"}
+    hf_model, hf_drafts = prepare_for_decoding(
+        target.model, separate, layout=ev.decode_layout, compare_hf=ev.compare_hf,
+        heads={name: m for name, m in models.items() if name not in separate}, int8=tuple(int8))
     settings = Settings(model=target.model, tokenizer=tok, eos_ids=set(eos_token_ids(target.model, tok)),
                         max_new_tokens=ev.max_new_tokens, temperature=ev.temperature, top_p=ev.top_p,
                         seed=cfg.seed, ngram_max=ev.ngram_max, ngram_min=ev.ngram_min, hf_model=hf_model,
@@ -195,11 +216,8 @@ def run(cfg: Config) -> Path:
                         confidence_threshold=ev.confidence_threshold)
     greedy = ev.temperature == 0
     num_turns = sum(min(len(c.user_turns), cfg.data.max_turns or 99) for c in convs)
-    spec = (([("ngram", "ngram", None)] if ev.ngram else []) + [(n, "draft_model", d) for n, d in drafts.items()]
-            + [(name, module.kind, module) for name, module in heads.items()]
-            + [(f"{name.split(':')[0]}_tree{name[len(name.split(':')[0]):]}", f"{module.kind}_tree", module)
-               for name, module in heads.items() if ev.trees and module.kind in ("medusa", "eagle")])
-    sweep_of = lambda drafter: ev.tree_budgets if drafter.endswith("_tree") else ev.sweep
+    spec = method_list(found, ev.trees)
+    sweep_of = lambda name: ev.tree_budgets if kind_of_method(name)[1] else ev.sweep
     log.info("eval: %d conversations (%d turns) from %s; methods plain, hf_generate, %s",
              len(convs), num_turns, cfg.data.source, ", ".join(n for n, _, _ in spec) or "no drafters")
 
@@ -222,49 +240,33 @@ def run(cfg: Config) -> Path:
     for _, drafter, draft in spec:
         make_decode(drafter, short, 2, draft)([first_prompt_ids(tok, convs[0])])
 
-    # Costs that explain speedups: a target forward of k+1 tokens and a draft forward, per target token.
-    ks = sorted(set(ev.sweep) | set(bundle_k.values()) | (set(ev.tree_budgets) if ev.trees and heads else set())
-                | ({ev.fixed_num_draft_tokens} if ev.fixed_num_draft_tokens else set()))
-    steps = {"one": forward_step(target.model, 1)}
-    steps.update({f"verify {k}": forward_step(target.model, k + 1) for k in ks})
-    steps.update({f"draft {name}": forward_step(d, 1) for name, d in drafts.items()})
-    per_step = {name: heads_step(module, target.model) for name, module in heads.items()}
-    steps.update({f"draft {name}": step for name, (step, _) in per_step.items()})
-    seconds = median_seconds(steps, target.model)
-    one = seconds["one"]
-    verify_cost = {k: seconds[f"verify {k}"] / one for k in ks}
-    draft_cost = {name: seconds[f"draft {name}"] / one for name in drafts}
-    draft_cost.update({name: seconds[f"draft {name}"] / tokens / one for name, (_, tokens) in per_step.items()})
-    cost_of = lambda name: draft_cost.get(name.replace("_tree", ""), 0.0)  # a tree's head: per draft step
-
-    def predicted(name: str, m: Measurement, k: int) -> Optional[float]:
-        if "_tree" in name:  # a tree's draft work is not k chain steps: no simple model
-            return None
-        if k > 1 and ev.confidence_threshold > 0 and m.drafter in ("draft_model", "eagle", "early_exit"):
-            return None  # chains that end early: neither k draft steps nor k verified positions
-        return predicted_speedup(m.acceptance_by_position, cost_of(name), verify_cost[k], m.proposal_rate)
-
-    sweeps, chosen = {}, {}
     if ev.fixed_num_draft_tokens is not None:
         chosen = {name: ev.fixed_num_draft_tokens for name, _, _ in spec}
     else:
-        chosen = dict(bundle_k)  # a bundle runs at the num_draft_tokens it was exported with
+        chosen = {name: k for name, k in bundle_k.items() if name in {n for n, _, _ in spec}}
     swept_spec = [(name, drafter, draft) for name, drafter, draft in spec if name not in chosen]
+    # What each method may run at: the costs of all of them are timed together, before any decoding.
+    budgets = {name: sweep_of(name) if name not in chosen else [chosen[name]] for name, _, _ in spec}
+    ks = sorted({k for values in budgets.values() for k in values} | set(ev.sweep))
+    costs = measure_costs(target.model, spec, ks, budgets, ev)
+
+    sweeps = {}
     if swept_spec:
         candidates = {"plain": method("plain")}
         candidates.update({f"{name} k={k}": method(drafter, k, draft) for name, drafter, draft in swept_spec
-                           for k in sweep_of(drafter)})
+                           for k in sweep_of(name)})
         swept = run_methods(candidates, convs[: ev.sweep_prompts], cfg.data.max_turns, "eval sweep")
         base = swept["plain"].total.tokens_per_s
         for name, drafter, _ in swept_spec:
             rows = []
-            for k in sweep_of(drafter):
+            for k in sweep_of(name):
                 m = swept[f"{name} k={k}"]
                 rows.append(dict(num_draft_tokens=k, tau=m.total.tau, acceptance_by_position=m.acceptance_by_position,
                                  tokens_per_s=m.total.tokens_per_s, speedup_vs_plain=m.total.tokens_per_s / base,
-                                 proposal_rate=m.proposal_rate, predicted_speedup=predicted(name, m, k)))
+                                 proposal_rate=m.proposal_rate,
+                                 predicted_speedup=costs.predicted(name, m, k, ev.confidence_threshold)))
             sweeps[name] = rows
-            chosen[name] = max(rows, key=lambda r: r["tokens_per_s"])["num_draft_tokens"]
+            chosen[name] = best_num_draft_tokens(rows)
 
     final = {"plain": method("plain"), "hf_generate": method("hf_generate")}
     hf_names = {}
@@ -284,8 +286,8 @@ def run(cfg: Config) -> Path:
         entry["num_draft_tokens_mode"] = ("auto" if name in sweeps
                                           else "fixed" if ev.fixed_num_draft_tokens is not None else "bundle")
         entry["proposal_rate"] = m.proposal_rate
-        entry["predicted_speedup"] = predicted(name, m, k)
-        entry["draft_cost_ratio"] = cost_of(name)
+        entry["predicted_speedup"] = costs.predicted(name, m, k, ev.confidence_threshold)
+        entry["draft_cost_ratio"] = costs.draft.get(name.replace(TREE_SUFFIX, ""), 0.0)
         methods[name] = {**entry, **losslessness(target.model, plain, m, greedy, name)}
         if name in hf_names:
             h = results[hf_names[name]].total
@@ -300,15 +302,13 @@ def run(cfg: Config) -> Path:
         temperature=ev.temperature, top_p=ev.top_p, batch_size=ev.batch_size,
         device=str(target.device), dtype=str(next(target.model.parameters()).dtype).replace("torch.", ""),
         threads=torch.get_num_threads(), sweep_prompts=ev.sweep_prompts,
-        confidence_threshold=ev.confidence_threshold, int8_drafts=[n for n in int8 if is_int8({**drafts, **heads}[n])],
+        confidence_threshold=ev.confidence_threshold, int8_drafts=[n for n in int8 if is_int8(models[n])],
         baselines=dict(plain=dict(tokens_per_s=plain.total.tokens_per_s, tokens=plain.total.tokens,
                                   seconds=plain.total.seconds),
                        hf_generate=dict(tokens_per_s=hf.total.tokens_per_s, tokens=hf.total.tokens,
                                         seconds=hf.total.seconds,
                                         **losslessness(target.model, plain, hf, greedy, "hf_generate"))),
-        methods=methods, sweeps=sweeps, hf_methods=hf_methods,
-        costs=dict(target_forward_s=one, verify_cost_by_k={str(k): v for k, v in verify_cost.items()},
-                   draft_cost_ratio=draft_cost),
+        methods=methods, sweeps=sweeps, hf_methods=hf_methods, costs=costs.report(),
         skipped_records=dict(data.skipped),
     )
     images = write_report(report, out)
@@ -320,12 +320,7 @@ def run(cfg: Config) -> Path:
     tracker.log_images({f"eval/{name}": path for name, path in images.items()})
     tracker.finish()
 
-    inputs = {}
-    distill = stage_dir(cfg.runs_dir, cfg.run, "distill")
-    if "draft_model" in drafts and (distill / MANIFEST).is_file():
-        inputs["distill"] = consumed(distill)
-    for kind in run_heads:
-        inputs[f"heads/{kind}"] = consumed(stage_dir(cfg.runs_dir, cfg.run, "heads") / kind)
+    inputs = dict(d.inputs for d in found.values() if d.inputs is not None)
     if ev.bundle:
         inputs["bundle"] = {"path": str(Path(ev.bundle).expanduser())}
     write_manifest(out, stage=STAGE, config=dataclasses.asdict(cfg), target_fingerprint=report["target"]["fingerprint"],

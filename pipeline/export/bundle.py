@@ -1,7 +1,9 @@
 """The bundle: a draft matched to one target, with the facts that make it safe to serve.
 
 Layout (`runs/<run>/export/` or export.dir):
-  bundle.json   method, num_draft_tokens, the target's name and fingerprint, tau and speedup
+  bundle.json   method (a kind: ngram, draft_model, medusa, eagle, early_exit), tree (verified
+                as a token tree of num_draft_tokens nodes), num_draft_tokens, the target's name and
+                fingerprint, tau and speedup
                 measured by eval, the training data and run, package versions, formats, and
                 provenance: the sha256 of the generate, training and eval manifests it came from
   draft/        (method draft_model) the draft as a plain HF save_pretrained folder
@@ -13,6 +15,7 @@ Layout (`runs/<run>/export/` or export.dir):
   medusa/       (method medusa) the Medusa-1 layout (export/formats.py)
   eagle3/       (method eagle) the EAGLE-3 layout (LlamaForCausalLMEagle3; export/formats.py)
   speculators/  (method eagle) the same head in vLLM's speculators layout
+                (method ngram) no weights: bundle.json's draft holds ngram_max and ngram_min
   eval/         the eval report (report.json, report.md) and plots the numbers come from
   README.md     a model card written from the above
   SHA256SUMS    sha256 of every other file, in `sha256sum -c` format
@@ -33,15 +36,14 @@ import re
 
 import torch
 
+from pipeline.config import METHODS
 from pipeline.errors import PipelineError
+from pipeline.kinds import KINDS, NgramSettings
 from pipeline.models import Target
 from pipeline.runs import sha256_file
 
 BUNDLE_JSON = "bundle.json"
 CHECKSUMS = "SHA256SUMS"
-DRAFT_DIR = "draft"
-HEADS_DIR = "heads"
-HEAD_METHODS = ("medusa", "eagle", "early_exit")
 FORMAT_VERSION = 1
 
 
@@ -49,12 +51,17 @@ FORMAT_VERSION = 1
 class Bundle:
     path: Path
     meta: dict[str, Any]
-    draft: torch.nn.Module
-    """The draft model (method draft_model) or the head module (medusa, eagle, early_exit)."""
+    draft: Optional[torch.nn.Module | NgramSettings]
+    """The draft model (method draft_model), the head module (medusa, eagle, early_exit) or
+    prompt lookup's settings (ngram)."""
 
     @property
     def method(self) -> str:
         return self.meta["method"]
+
+    @property
+    def tree(self) -> bool:
+        return bool(self.meta.get("tree", False))
 
     @property
     def num_draft_tokens(self) -> int:
@@ -134,9 +141,12 @@ def check_bundle_meta(meta: Any, path: Path) -> None:
     if version > FORMAT_VERSION:
         raise PipelineError(f"{path} has format_version {version}; this specdraft reads "
                             f"up to {FORMAT_VERSION}: upgrade specdraft")
-    if not isinstance(meta["method"], str) or meta["method"] not in ("draft_model", *HEAD_METHODS):
+    if not isinstance(meta["method"], str) or meta["method"] not in METHODS:
         raise PipelineError(f"{path}: method {meta['method']!r} cannot be loaded by this specdraft "
-                            f"(draft_model, {', '.join(HEAD_METHODS)})")
+                            f"({', '.join(METHODS)})")
+    if not isinstance(meta.get("tree", False), bool) or (meta.get("tree") and not KINDS[meta["method"]].trees):
+        raise PipelineError(f"{path}: tree must be true or false (and true only for "
+                            f"{', '.join(n for n, k in KINDS.items() if k.trees)}), got {meta.get('tree')!r}")
     if not _positive_int(meta["num_draft_tokens"]):
         raise PipelineError(f"{path}: num_draft_tokens must be a positive integer, got {meta['num_draft_tokens']!r}")
     target = meta["target"]
@@ -145,13 +155,17 @@ def check_bundle_meta(meta: Any, path: Path) -> None:
     if not isinstance(target.get("fingerprint"), str) or not re.fullmatch(r"[0-9a-f]{64}", target["fingerprint"]):
         raise PipelineError(f"{path}: target.fingerprint must be a sha256 (64 hex digits), "
                             f"got {target.get('fingerprint')!r}")
+    if meta["method"] == "ngram":
+        draft = meta.get("draft")
+        lengths = [draft.get(k) for k in ("ngram_max", "ngram_min")] if isinstance(draft, dict) else [None, None]
+        if not all(map(_positive_int, lengths)) or lengths[1] > lengths[0]:
+            raise PipelineError(f"{path}: an ngram bundle's draft needs ngram_max >= ngram_min >= 1, got {draft!r}")
 
 
 def load_bundle(path: str | Path, target: Target, fingerprint: Optional[str] = None) -> Bundle:
-    """A bundle's draft, ready for our decoder's ModelDrafter, after every check passed:
-    checksums (no file changed, missing or added), the target's fingerprint, safetensors only."""
-    from pipeline.eval.stage import load_draft
-
+    """A bundle's draft, ready for our decoder, after every check passed: no symbolic link,
+    checksums (no file changed, missing or added), bundle.json's schema, the target's
+    fingerprint, safetensors only."""
     folder = Path(path).expanduser()
     if not folder.is_dir():
         raise PipelineError(f"bundle folder {folder} does not exist")
@@ -162,8 +176,9 @@ def load_bundle(path: str | Path, target: Target, fingerprint: Optional[str] = N
     if want != have:
         raise PipelineError(f"bundle {folder} was made for target {meta['target'].get('name')!r} (fingerprint "
                             f"{str(want)[:12]}…), not this one ({target.name!r}, {have[:12]}…)")
-    if meta["method"] in HEAD_METHODS:
-        from pipeline.heads.models import load_heads
-
-        return Bundle(path=folder, meta=meta, draft=load_heads(folder / HEADS_DIR, target.model))
-    return Bundle(path=folder, meta=meta, draft=load_draft(folder / DRAFT_DIR, target))
+    kind = KINDS[meta["method"]]
+    if kind.load is None:
+        draft = NgramSettings(meta["draft"]["ngram_max"], meta["draft"]["ngram_min"])
+    else:
+        draft = kind.load(folder / kind.bundle_folder, target)
+    return Bundle(path=folder, meta=meta, draft=draft)

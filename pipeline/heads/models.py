@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pipeline.config import HEAD_KINDS
 from pipeline.errors import PipelineError
 
 HEADS_FILE = "heads.safetensors"
@@ -279,16 +280,19 @@ def early_exit_model(target: nn.Module, adapter: ExitAdapter) -> nn.Module:
 
 def build_heads(kind: str, target: nn.Module, draft_to_target: torch.Tensor, settings: dict) -> nn.Module:
     """A new head module of `kind` for `target` with the given settings (see HeadsConfig)."""
-    target.requires_grad_(False)
-    if kind == "medusa":
-        heads = MedusaHeads(target, draft_to_target, settings["num_heads"], settings["num_layers"])
-    elif kind == "eagle":
-        heads = EagleHead(target, draft_to_target, tuple(settings["feature_layers"]), settings.get("ttt_steps", 1))
-    elif kind == "early_exit":
-        heads = ExitAdapter(target, draft_to_target, settings["exit_layer"], settings["adapter_rank"])
-    else:
+    if kind not in BUILDERS:
         raise PipelineError(f"unknown heads kind {kind!r}")
+    target.requires_grad_(False)
+    heads = BUILDERS[kind](target, draft_to_target, settings)
     return heads.to(device=target.device, dtype=next(target.parameters()).dtype)
+
+
+BUILDERS = {  # heads kind -> its module from the saved settings
+    "medusa": lambda target, ids, s: MedusaHeads(target, ids, s["num_heads"], s["num_layers"]),
+    "eagle": lambda target, ids, s: EagleHead(target, ids, tuple(s["feature_layers"]), s.get("ttt_steps", 1)),
+    "early_exit": lambda target, ids, s: ExitAdapter(target, ids, s["exit_layer"], s["adapter_rank"]),
+}
+assert tuple(BUILDERS) == HEAD_KINDS
 
 
 def own_state(heads: nn.Module) -> dict[str, torch.Tensor]:
@@ -313,8 +317,8 @@ def read_heads_config(folder: Path) -> dict:
         config = json.loads(path.read_text())
     except (OSError, ValueError) as e:
         raise PipelineError(f"cannot read {path}: {e}") from None
-    if config.get("kind") not in ("medusa", "eagle", "early_exit") or not isinstance(config.get("settings"), dict):
-        raise PipelineError(f"{path}: not a heads config (kind must be medusa, eagle or early_exit)")
+    if config.get("kind") not in HEAD_KINDS or not isinstance(config.get("settings"), dict):
+        raise PipelineError(f"{path}: not a heads config (kind must be one of {', '.join(HEAD_KINDS)})")
     return config
 
 
@@ -347,20 +351,3 @@ def load_heads(folder: Path, target: nn.Module) -> nn.Module:
                                     f"this target needs {tuple(params[name].shape)}")
             params[name].copy_(value)
     return heads.eval()
-
-
-def heads_drafter(heads: nn.Module, target: nn.Module, temperature: float = 0.0, top_p: float = 1.0,
-                  generator: Optional[torch.Generator] = None, *, tree_depth: int = 5, tree_topk: int = 4,
-                  medusa_choices: Optional[list] = None, confidence_threshold: float = 0.0):
-    """The decoder's drafter for a head module (decode/drafters.py); the tree settings apply to
-    tree decoding (decode/tree.py), confidence_threshold to the chains of eagle and early_exit."""
-    from pipeline.decode.drafters import EagleDrafter, MedusaDrafter, ModelDrafter
-
-    vocab = target.config.vocab_size
-    if heads.kind == "medusa":
-        return MedusaDrafter(heads, vocab, temperature, top_p, generator, choices=medusa_choices)
-    if heads.kind == "eagle":
-        return EagleDrafter(heads, vocab, temperature, top_p, generator, tree_depth=tree_depth, tree_topk=tree_topk,
-                            confidence_threshold=confidence_threshold)
-    return ModelDrafter(early_exit_model(target, heads), temperature, top_p, generator, name="early_exit",
-                        confidence_threshold=confidence_threshold)

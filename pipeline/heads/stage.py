@@ -140,7 +140,6 @@ def run(cfg: Config) -> Path:
     optimizer = torch.optim.AdamW(trainable, lr=hc.lr, weight_decay=hc.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(hc))
     model, optimizer = accelerator.prepare(model, optimizer)
-    rng = torch.Generator().manual_seed(cfg.seed + 1)  # part of the checkpoint format; unused here
 
     start_step = 0
     trainer_json = work / "state" / "last" / "trainer.json"
@@ -148,7 +147,7 @@ def run(cfg: Config) -> Path:
         if json.loads(trainer_json.read_text()).get("plan") != plan:
             raise PipelineError(f"{work} holds a heads run with another config or data; "
                                 "add heads.overwrite=true to start over (or use another run=)")
-        start_step = int(load_state(work / "state", accelerator, model, optimizer, scheduler, rng)["step"])
+        start_step = int(load_state(work / "state", accelerator, model, optimizer, scheduler)["step"])
         log.info("heads: resuming after step %d from %s", start_step, work / "state")
         if main:
             keep_metrics_until(work / "metrics.jsonl", start_step)
@@ -236,7 +235,7 @@ def run(cfg: Config) -> Path:
             bar.set_postfix(**postfix)
             bar.update(1)
         if (step + 1) % hc.save_every == 0 and step + 1 < hc.max_steps:
-            save_state(work / "state", accelerator, model, optimizer, scheduler, step + 1, rng, plan, None)
+            save_state(work / "state", accelerator, model, optimizer, scheduler, step + 1, None, plan, None)
     bar.close()
 
     end_eval = {k: v for k, v in record.items() if k.startswith("heldout")} if start_step < hc.max_steps else evaluate()

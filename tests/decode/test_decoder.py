@@ -7,7 +7,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from pipeline.decode import ModelDrafter, NgramDrafter, plain_decode, speculative_decode
-from pipeline.decode.drafters import lookup
+from pipeline.decode.ngram import lookup
 from pipeline.decode.kv import SlotCache
 from pipeline.decode.layout import onednn_available, onednn_dtypes
 
@@ -154,7 +154,7 @@ def tiny_llama(seed, layers=2, vocab=VOCAB):
 
 
 def restricted(model, ids):
-    from pipeline.distill.draft import restrict_vocabulary
+    from pipeline.decode.prepare import restrict_vocabulary
 
     draft = copy.deepcopy(model)
     restrict_vocabulary(draft, torch.tensor(ids))

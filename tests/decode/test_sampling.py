@@ -15,8 +15,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from pipeline.decode import ModelDrafter, NgramDrafter, speculative_decode
 from pipeline.decode.layout import int8_linears
 from pipeline.decode.sampling import accept_sampling, process_logits
-from pipeline.distill.draft import restrict_vocabulary
-from pipeline.heads import build_heads, heads_drafter
+from pipeline.decode.prepare import restrict_vocabulary
+from pipeline.heads import build_heads
+from pipeline.kinds import make_drafter
 
 VOCAB = 6
 HEAD_SETTINGS = {"medusa": dict(num_heads=2, num_layers=1), "eagle": dict(feature_layers=[0, 1], ttt_steps=1),
@@ -130,8 +131,8 @@ def test_speculative_sampling_matches_the_target_distribution(drafter_kind, k, t
     if drafter_kind == "ngram":
         drafter = NgramDrafter(temperature=temperature, vocab_size=VOCAB)
     elif drafter_kind in HEAD_SETTINGS:
-        drafter = heads_drafter(random_heads(drafter_kind, target), target, temperature, top_p, gen,
-                                confidence_threshold=threshold)
+        drafter = make_drafter(drafter_kind, random_heads(drafter_kind, target), target, temperature=temperature,
+                               top_p=top_p, generator=gen, confidence_threshold=threshold)
     else:
         draft = sharp_llama(7, scale=15.0)
         if drafter_kind == "draft_vocab":
@@ -163,7 +164,8 @@ def test_speculative_sampling_matches_the_target_distribution(drafter_kind, k, t
 def test_tree_acceptance_samples_the_target_distribution(temperature, top_p):
     """Walking a token tree (siblings tried in turn, each rejected token's mass removed)
     emits the target's distribution: the first token's, and the second's given the first."""
-    from pipeline.decode.tree import TreeProposal, walk
+    from pipeline.decode.tree import walk
+    from pipeline.decode.types import TreeProposal
 
     gen = torch.Generator().manual_seed(0)
     # Root children: tokens 0, 2 and 2 again (a duplicate is never accepted twice); node 1 (token 0)
@@ -196,7 +198,8 @@ def test_tree_decoding_samples_the_target_distribution(kind, temperature, top_p)
     prompt = lookup_prompt(target)
     length, n = 2, 6_000
     gen = torch.Generator().manual_seed(1)
-    drafter = heads_drafter(random_heads(kind, target), target, temperature, top_p, gen, tree_depth=2, tree_topk=2)
+    drafter = make_drafter(kind, random_heads(kind, target), target, temperature=temperature, top_p=top_p, generator=gen,
+                           tree_depth=2, tree_topk=2)
     out = tree_decode(target, drafter, [prompt] * n, budget=4, max_new_tokens=length, eos_ids=set(), pad_id=0,
                       temperature=temperature, top_p=top_p, generator=gen)
     accepted, proposed = out.accepted_by_position, out.proposed_by_position

@@ -77,7 +77,8 @@ def test_frequent_tokens_ranks_by_count_then_id_and_tops_up():
 
 
 def test_draft_vocabulary_is_saved_read_and_checked(target, tmp_path):
-    from pipeline.distill.draft import read_draft_vocab, restrict_vocabulary, save_draft_vocab
+    from pipeline.decode.prepare import restrict_vocabulary
+    from pipeline.distill.draft import read_draft_vocab, save_draft_vocab
 
     assert read_draft_vocab(tmp_path, 64) is None
     ids = torch.tensor([1, 4, 9])

@@ -56,11 +56,13 @@ def test_eval_report_has_every_field_and_readable_plots(tiny_target_dir, draft_d
         assert m["speedup_vs_plain"] == pytest.approx(m["tokens_per_s"] / report["baselines"]["plain"]["tokens_per_s"])
         assert m["speedup_vs_hf"] == pytest.approx(m["tokens_per_s"] / report["baselines"]["hf_generate"]["tokens_per_s"])
     assert report["methods"]["plain"]["tau"] == 1.0
-    # auto picked the sweep value with the highest measured tokens/s.
+    # auto picked the sweep value with the highest predicted speedup (from τ and the interleaved costs).
     for name in ("ngram", "draft_model"):
         sweep = report["sweeps"][name]
         assert [r["num_draft_tokens"] for r in sweep] == [1, 2]
-        assert report["methods"][name]["num_draft_tokens"] == max(sweep, key=lambda r: r["tokens_per_s"])["num_draft_tokens"]
+        assert all(r["predicted_speedup"] > 0 for r in sweep)
+        best = max(sweep, key=lambda r: r["predicted_speedup"])
+        assert report["methods"][name]["num_draft_tokens"] == best["num_draft_tokens"]
         assert len(report["methods"][name]["acceptance_by_position"]) == report["methods"][name]["num_draft_tokens"]
     assert set(report["hf_methods"]) == {"hf_prompt_lookup", "hf_assisted"}
     assert report["costs"]["draft_cost_ratio"]["draft_model"] > 0
@@ -110,7 +112,7 @@ def test_int8_draft_and_its_fp32_twin_are_both_measured(tiny_target_dir, draft_d
     cfg = compose_config(*eval_overrides(tiny_target_dir, prompts_file, tmp_path, f"eval.draft={draft_dir}",
                                          "eval.num_draft_tokens=2", "eval.compare_draft_fp32=true",
                                          "eval.ngram=false"), stage="eval")
-    with caplog.at_level("INFO", logger="pipeline.eval.stage"):
+    with caplog.at_level("INFO"):
         report = json.loads((evaluation.run(cfg) / "report.json").read_text())
     assert set(report["methods"]) == {"plain", "draft_model", "draft_model:fp32"}
     for name in ("draft_model", "draft_model:fp32"):
@@ -126,8 +128,9 @@ def test_eval_finds_the_runs_distilled_draft(tiny_target_dir, draft_dir, prompts
 
     distill, generate = tmp_path / "e" / "distill", tmp_path / "e" / "generate"
     shutil.copytree(draft_dir, distill / "checkpoint")
-    write_manifest(generate, stage="generate", config={}, target_fingerprint="x", outputs={}, wall_time_s=0.0)
-    write_manifest(distill, stage="distill", config={}, target_fingerprint="x", outputs={}, wall_time_s=0.0,
+    fingerprint = load_target(str(tiny_target_dir), device="cpu").fingerprint()
+    write_manifest(generate, stage="generate", config={}, target_fingerprint=fingerprint, outputs={}, wall_time_s=0.0)
+    write_manifest(distill, stage="distill", config={}, target_fingerprint=fingerprint, outputs={}, wall_time_s=0.0,
                    inputs={"generate": consumed(generate)})
     cfg = compose_config(*eval_overrides(tiny_target_dir, prompts_file, tmp_path, "eval.num_draft_tokens=2",
                                          f"eval.draft={draft_dir}"), stage="eval")

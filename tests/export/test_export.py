@@ -127,7 +127,7 @@ def test_cli_eval_of_a_tampered_bundle_fails_in_one_line(exported, tiny_target_d
 
 
 def test_export_needs_a_finished_eval(tiny_target_dir, tmp_path):
-    with pytest.raises(PipelineError, match="distill"):
+    with pytest.raises(PipelineError, match="stage=eval"):
         export.run(compose_config(*common(tiny_target_dir, tmp_path), stage="export"))
 
 
@@ -323,3 +323,32 @@ def test_eagle3_formats_refuse_the_post_norm_hidden_state(tmp_path):
     head = build_heads("eagle", target, torch.arange(40), dict(feature_layers=list(feature_indices(target.config, [0, 1]))))
     write_eagle3(head, target, tmp_path / "e")
     assert json.loads((tmp_path / "e/config.json").read_text())["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 2]
+
+
+def test_auto_exports_the_fastest_method_and_an_ngram_bundle_evaluates_as_measured(exported, tiny_target_dir,
+                                                                                   tmp_path, capsys):
+    root, _, prompts = exported
+    report = json.loads((root / "x" / "eval" / "report.json").read_text())
+    candidates = {n: m for n, m in report["methods"].items() if n != "plain" and ":" not in n}
+    fastest = max(candidates, key=lambda n: candidates[n]["speedup_vs_plain"])
+    auto = export.run(compose_config(*common(tiny_target_dir, root), "export.method=auto",
+                                     f"export.dir={tmp_path / 'auto'}", stage="export"))
+    assert json.loads((auto / "bundle.json").read_text())["measured"]["method"] == fastest
+    printed = capsys.readouterr().out
+    assert f"{fastest}" in printed and "<- fastest, exported" in printed
+    assert ("fastest: " in printed) != ("no method beats plain decoding on this machine" in printed)
+    for name in candidates:
+        assert name in printed
+
+    ngram = export.run(compose_config(*common(tiny_target_dir, root), "export.method=ngram",
+                                      f"export.dir={tmp_path / 'ngram'}", stage="export"))
+    meta = json.loads((ngram / "bundle.json").read_text())
+    assert meta["method"] == "ngram" and meta["tree"] is False and meta["training"] is None
+    assert meta["draft"] == {"kind": "ngram", "ngram_max": 3, "ngram_min": 2}
+    assert meta["num_draft_tokens"] == report["methods"]["ngram"]["num_draft_tokens"]
+    assert not (ngram / "draft").exists() and "prompt_lookup_num_tokens" in (ngram / "README.md").read_text()
+    cfg = compose_config(*common(tiny_target_dir, tmp_path, run="y"),
+                         *eval_overrides(prompts, f"eval.bundle={ngram}", "eval.ngram=false"), stage="eval")
+    measured = json.loads((evaluation.run(cfg) / "report.json").read_text())["methods"]["ngram"]
+    assert measured["num_draft_tokens_mode"] == "bundle" and measured["num_draft_tokens"] == meta["num_draft_tokens"]
+    assert measured["tau"] == pytest.approx(meta["measured"]["tau"]) and measured["lossless"] is True

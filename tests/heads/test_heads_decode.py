@@ -8,7 +8,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from pipeline.decode import plain_decode, speculative_decode
-from pipeline.heads.models import build_heads, heads_drafter, load_heads, own_state, save_heads
+from pipeline.heads.models import build_heads, load_heads, own_state, save_heads
+from pipeline.kinds import make_drafter
 
 SETTINGS = {
     "medusa": dict(num_heads=3, num_layers=1),
@@ -46,7 +47,7 @@ def test_greedy_heads_match_plain_decoding(kind, k, vocab_rows, threshold):
     prompts = [[1, 5, 9, 2], [7, 3], [4, 4, 4, 4, 4, 8, 1]]  # different lengths: padded rows
     common = dict(max_new_tokens=24, eos_ids={39}, pad_id=0)
     plain = plain_decode(target, prompts, **common)
-    drafter = heads_drafter(heads, target, confidence_threshold=threshold)
+    drafter = make_drafter(heads.kind, heads, target, confidence_threshold=threshold)
     out = speculative_decode(target, drafter, prompts, num_draft_tokens=k, **common)
     assert out.tokens == plain.tokens
     assert sum(out.proposed_by_position) > 0
@@ -67,7 +68,7 @@ def test_eagle_drafts_well_when_it_copies_the_target():
             p.zero_()
         heads.norm.weight.copy_(target.model.norm.weight)
     prompts = [[1, 5, 9, 2]]
-    out = speculative_decode(target, heads_drafter(heads, target), prompts, num_draft_tokens=1,
+    out = speculative_decode(target, make_drafter(heads.kind, heads, target), prompts, num_draft_tokens=1,
                              max_new_tokens=12, eos_ids=set(), pad_id=0)
     # The feature of position t is the target's pre-norm hidden state of t, whose norm + LM head
     # give token t+1 -- which is already known: the head proposes token t+1 for position t+2.
@@ -98,7 +99,7 @@ def test_greedy_trees_match_plain_decoding(kind, budget):
     heads = random_heads(kind, target, torch.randperm(40, generator=torch.Generator().manual_seed(3))[:30])
     prompts = [[1, 5, 9, 2], [7, 3]]
     common = dict(max_new_tokens=24, eos_ids={39}, pad_id=0)
-    out = tree_decode(target, heads_drafter(heads, target), prompts, budget=budget, **common)
+    out = tree_decode(target, make_drafter(heads.kind, heads, target), prompts, budget=budget, **common)
     assert out.tokens == plain_decode(target, prompts, **common).tokens
     assert out.proposed_by_position[0] > 0
 
@@ -121,11 +122,11 @@ def test_int8_heads_keep_greedy_outputs_and_leave_the_target_alone(kind):
     prompts = [[1, 5, 9, 2], [7, 3]]
     common = dict(max_new_tokens=24, eos_ids={39}, pad_id=0)
     plain = plain_decode(target, prompts, **common).tokens
-    chains = {name: speculative_decode(target, heads_drafter(h, target), prompts, num_draft_tokens=3, **common)
+    chains = {name: speculative_decode(target, make_drafter(h.kind, h, target), prompts, num_draft_tokens=3, **common)
               for name, h in (("int8", heads), ("fp32", fp32))}
     assert chains["int8"].tokens == plain == chains["fp32"].tokens
     assert chains["int8"].proposed_by_position[0] > 0
-    tree = tree_decode(target, heads_drafter(heads, target), prompts, budget=6, **common)
+    tree = tree_decode(target, make_drafter(heads.kind, heads, target), prompts, budget=6, **common)
     assert tree.tokens == plain
 
 
@@ -133,7 +134,8 @@ def test_a_tree_step_keeps_exactly_the_accepted_paths_kv_entries():
     """After verifying a tree, the target's cache holds the committed tokens' keys and values
     as if they had been decoded one by one: the accepted path's, in order, nothing else."""
     from pipeline.decode.kv import SlotCache
-    from pipeline.decode.tree import TreeProposal, ancestors, walk
+    from pipeline.decode.tree import ancestors, walk
+    from pipeline.decode.types import TreeProposal
 
     target = tiny_target()
     prompt = torch.tensor([[1, 5, 9, 2]])
@@ -161,7 +163,7 @@ def test_a_tree_step_keeps_exactly_the_accepted_paths_kv_entries():
 
 
 def test_static_tree_puts_parents_first_and_spends_the_budget():
-    from pipeline.decode.tree import static_tree
+    from pipeline.decode.medusa import static_tree
 
     tree = static_tree(12, num_heads=3)
     assert len(tree) == 12 and tree[0] == (0,)

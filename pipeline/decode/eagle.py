@@ -1,0 +1,140 @@
+"""An EAGLE head as a drafter: chains fed back its own features, and EAGLE-2 dynamic trees."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from pipeline.decode.chain import draft_chain
+from pipeline.decode.kv import SlotCache
+from pipeline.decode.types import Proposal, TreeProposal
+
+
+class EagleDrafter:
+    """An EAGLE head drafting autoregressively from the target's features.
+
+    Head position t reads (target feature of t, token t+1). The target's features arrive for
+    every position it keeps; before drafting, the head consumes those still pending (their
+    next tokens are known by then), then drafts k tokens feeding back its own feature. Its
+    draft entries are dropped from its cache before the next round.
+    """
+
+    name = "eagle"
+
+    def __init__(self, head, vocab_size: int, temperature: float = 0.0, top_p: float = 1.0,
+                 generator: Optional[torch.Generator] = None, tree_depth: int = 5, tree_topk: int = 4,
+                 confidence_threshold: float = 0.0):
+        self.head, self.vocab_size = head, vocab_size
+        self.confidence_threshold = confidence_threshold
+        self.tree_depth, self.tree_topk = tree_depth, tree_topk
+        self.temperature, self.top_p, self.generator = temperature, top_p, generator
+        self.feature_layers = head.feature_layers
+
+    def start(self, prompts: torch.Tensor, prompt_valid: torch.Tensor) -> None:
+        self.kv = SlotCache(self.head, prompts.shape[0], prompts.device)
+        self.pending: list[list[torch.Tensor]] = [[] for _ in range(prompts.shape[0])]
+        self.drafted = 0
+
+    def observe(self, features: torch.Tensor, kept: torch.Tensor) -> None:
+        for row in range(features.shape[0]):
+            self.pending[row].append(features[row][kept[row]])
+
+    def _catch_up(self, seqs: list[list[int]]):
+        """Drop the last round's drafts and feed the pending target features; the head's output
+        at the last one (its logits predict the first draft token)."""
+        device = self.kv.valid.device
+        if self.drafted:
+            self.kv.keep_last(torch.zeros((len(seqs), self.drafted), dtype=torch.bool, device=device))
+            self.drafted = 0
+        # Pending features are of positions n-1-m .. n-2 of a row's n tokens; their next tokens
+        # are the row's last m. Right-aligned, fillers masked.
+        new = [torch.cat(chunks) for chunks in self.pending]
+        width = max(len(f) for f in new)
+        feats = new[0].new_zeros((len(seqs), width, new[0].shape[-1]))
+        ids = torch.zeros((len(seqs), width), dtype=torch.long)
+        valid = torch.zeros((len(seqs), width), dtype=torch.bool)
+        for row, (f, seq) in enumerate(zip(new, seqs)):
+            m = len(f)
+            feats[row, width - m:] = f
+            ids[row, width - m:] = torch.tensor(seq[len(seq) - m:], dtype=torch.long)
+            valid[row, width - m:] = True
+        self.pending = [[] for _ in seqs]
+        return self.kv.run(ids.to(device), valid.to(device), logits_to_keep=1, features=self.head.fuse(feats))
+
+    def propose(self, seqs: list[list[int]], num_draft_tokens: int) -> Proposal:
+        k = num_draft_tokens
+        out = self._catch_up(seqs)
+        hidden = out.hidden[:, -1:]
+
+        def advance(token: torch.Tensor) -> torch.Tensor:
+            nonlocal hidden
+            step = self.kv.run(token[:, None], features=hidden)
+            hidden = step.hidden[:, -1:]
+            return step.logits[:, -1]
+
+        proposal, drawn = draft_chain(self, out.logits[:, -1], k, advance, self.head.draft_to_target)
+        self.drafted = drawn - 1
+        return proposal
+
+    def propose_tree(self, seq: list[int], budget: int):
+        """An EAGLE-2 dynamic tree: from the root, expand the `tree_topk` most probable nodes of
+        each depth (cumulative draft log-probability) with their `tree_topk` best children,
+        for `tree_depth` depths; keep the `budget` most probable nodes."""
+        out = self._catch_up([seq])
+        topk, to_target = self.tree_topk, self.head.draft_to_target
+        device = out.logits.device
+        committed = self.kv.valid.shape[1]
+        scores, parents, tokens, depths = [], [], [], []  # every candidate node
+        fed_slot: dict[int, int] = {}  # node -> its slot among the head's tree entries
+        fed_hidden: dict[int, torch.Tensor] = {}
+
+        def add_children(logits: torch.Tensor, parent: int, base: float) -> list[int]:
+            logp = torch.log_softmax(logits.float(), dim=-1).topk(min(topk, logits.shape[-1]))
+            new = []
+            for value, index in zip(logp.values.tolist(), logp.indices.tolist()):
+                new.append(len(scores))
+                scores.append(base + value)
+                parents.append(parent)
+                tokens.append(index)
+                depths.append(1 if parent < 0 else depths[parent] + 1)
+            return new
+
+        frontier = add_children(out.logits[0, -1], -1, 0.0)
+        root_hidden = out.hidden[0, -1]
+        for depth in range(1, self.tree_depth):
+            expand = sorted(frontier, key=lambda n: -scores[n])[:topk]
+            m, fed = len(expand), len(fed_slot)
+            allowed = torch.zeros((m, committed + fed + m), dtype=torch.bool, device=device)
+            allowed[:, :committed] = True
+            for row, node in enumerate(expand):
+                ancestor = parents[node]
+                while ancestor >= 0:
+                    allowed[row, committed + fed_slot[ancestor]] = True
+                    ancestor = parents[ancestor]
+                allowed[row, committed + fed + row] = True
+            feats = torch.stack([root_hidden if parents[n] < 0 else fed_hidden[parents[n]] for n in expand])[None]
+            ids = to_target[torch.tensor([tokens[n] for n in expand], device=device)][None]
+            positions = torch.full((m,), committed - 1 + depth, device=device)
+            step = self.kv.run_masked(ids, allowed, positions, features=feats)
+            frontier = []
+            for row, node in enumerate(expand):
+                fed_slot[node] = fed + row
+                fed_hidden[node] = step.hidden[0, row]
+                frontier += add_children(step.logits[0, row], node, scores[node])
+        self.drafted = len(fed_slot)
+        # The budget's most probable nodes; a child never scores above its parent, and ties go
+        # to the shallower node, so every chosen node's ancestors are chosen too.
+        chosen = sorted(sorted(range(len(scores)), key=lambda n: (-scores[n], depths[n]))[:budget],
+                        key=lambda n: (depths[n], n))
+        position = {n: i for i, n in enumerate(chosen)}
+        return TreeProposal(to_target[torch.tensor([tokens[n] for n in chosen], device=device)],
+                            torch.tensor([position[parents[n]] if parents[n] >= 0 else -1 for n in chosen],
+                                         device=device))
+
+    def accepted(self, num_accepted: torch.Tensor) -> None:
+        pass  # every draft entry is dropped before the next round
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        self.kv.select_rows(rows)
+        self.pending = [self.pending[i] for i in rows.tolist()]
