@@ -6,7 +6,7 @@ NUM_PROCESSES ?= 2
 # Extra Hydra overrides for the pipeline targets, e.g. make demo ARGS="generate.batch_size=32"
 ARGS ?=
 
-.PHONY: setup demo test test-fast check-speculators bench bench-generate bench-verify bench-train generate-multi distill-multi clean
+.PHONY: setup demo test test-fast test-compat check-speculators bench bench-generate bench-verify bench-train generate-multi distill-multi clean
 
 setup: $(VENV)/.installed
 
@@ -28,6 +28,22 @@ test: setup
 
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow"
+
+# The decoder's tests on the lowest transformers pyproject.toml declares, in a venv of its own
+# (pip picks the tokenizers and huggingface-hub that version takes). CI runs it after `make test`.
+TRANSFORMERS_FLOOR := $(shell sed -n 's/.*"transformers>=\([0-9.]*\).*/\1/p' pyproject.toml)
+COMPAT_VENV ?= .venv-compat
+DECODER_TESTS := tests/decode/test_decoder.py tests/decode/test_sampling.py tests/heads/test_heads_decode.py
+test-compat: $(COMPAT_VENV)/.installed
+	$(COMPAT_VENV)/bin/python -c "import transformers; print('transformers', transformers.__version__)"
+	$(COMPAT_VENV)/bin/python -m pytest -q $(DECODER_TESTS)
+
+$(COMPAT_VENV)/.installed: pyproject.toml
+	test -x $(COMPAT_VENV)/bin/python || $(PYTHON) -m venv $(COMPAT_VENV)
+	$(COMPAT_VENV)/bin/python -m pip install -q --upgrade pip
+	$(COMPAT_VENV)/bin/python -m pip install -q torch==2.13.0
+	$(COMPAT_VENV)/bin/python -m pip install -q -e '.[dev]' transformers==$(TRANSFORMERS_FLOOR)
+	touch $@
 
 # Our decoder vs HF generate / prompt lookup / assisted generation, same prompts and drafts.
 check-speculators: setup
@@ -61,4 +77,4 @@ distill-multi: setup
 		$(if $(filter none,$(DS)),,distill.deepspeed=$(DS)) $(ARGS)
 
 clean:
-	rm -rf runs outputs wandb .pytest_cache
+	rm -rf runs outputs wandb .pytest_cache $(COMPAT_VENV)

@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch
 
-from pipeline.decode.kv import SlotCache
+from pipeline.decode.kv import SlotCache, with_hidden_states
 from pipeline.decode.sampling import accept_greedy, accept_sampling, next_token, process_logits
 from pipeline.decode.types import DecodeResult, Drafter, Rows, left_pad
 
@@ -30,7 +30,7 @@ def target_pass(kv: SlotCache, tokens: torch.Tensor, valid: Optional[torch.Tenso
     transformers' output_hidden_states) concatenated [B, S, n * H], or None when none are asked."""
     if not feature_layers:
         return kv.forward(tokens, valid, logits_to_keep), None
-    out = kv.run(tokens, valid, logits_to_keep, output_hidden_states=list(feature_layers))
+    out = kv.run(tokens, valid, logits_to_keep, **with_hidden_states(feature_layers))
     return out.logits, torch.cat([out.hidden_states[i] for i in feature_layers], dim=-1)
 
 

@@ -8,9 +8,43 @@ and the model runs its plain causal path: rejected tokens are simply cropped.
 
 from __future__ import annotations
 
+import functools
+import inspect
 from typing import Optional
 
 import torch
+
+
+@functools.cache
+def _cache_keyword(module_type: type) -> str:
+    params = inspect.signature(module_type.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def with_cache(module, cache) -> dict:
+    """The keyword argument that hands `cache` to a transformers model's forward: `cache` from
+    transformers 5.24, `past_key_values` before (an unknown keyword would be swallowed by
+    **kwargs and the model would silently run without our cache)."""
+    return {_cache_keyword(type(module)): cache}
+
+
+@functools.cache
+def _selects_hidden_states() -> bool:
+    try:  # transformers 5.23+ keeps only the hidden states a list of indices (negative ones too) selects
+        from transformers.utils.output_capturing import selected_hidden_states  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def with_hidden_states(layers) -> dict:
+    """The keyword argument that makes a transformers model return the hidden states `layers`
+    (output_hidden_states indices, negative from the end) at those indices of its
+    `hidden_states`: only those where transformers can select them, else all of them (older
+    versions read a list as non-negative indices only)."""
+    if not layers:
+        return {}
+    return {"output_hidden_states": list(layers) if _selects_hidden_states() else True}
 
 
 def in_place_cache(config):
@@ -110,7 +144,7 @@ class SlotCache:
         mask = None if bool(self.valid.all()) else self.valid.long()
         return self.model(
             input_ids=tokens, attention_mask=mask, position_ids=positions.clamp(min=0),
-            cache=self.cache, use_cache=True, logits_to_keep=logits_to_keep, **inputs,
+            use_cache=True, logits_to_keep=logits_to_keep, **with_cache(self.model, self.cache), **inputs,
         )
 
     def forward(
@@ -130,8 +164,8 @@ class SlotCache:
         mask = torch.zeros((1, 1, *allowed.shape), dtype=dtype, device=tokens.device).masked_fill(
             ~allowed, torch.finfo(dtype).min)
         self.valid = torch.cat([self.valid, self.valid.new_ones((1, s))], dim=1)
-        return self.model(input_ids=tokens, attention_mask=mask, position_ids=positions[None],
-                          cache=self.cache, use_cache=True, **inputs)
+        return self.model(input_ids=tokens, attention_mask=mask, position_ids=positions[None], use_cache=True,
+                          **with_cache(self.model, self.cache), **inputs)
 
     def run_tree(self, tokens: torch.Tensor, ancestors: torch.Tensor, **inputs):
         """A token tree after the cache: tokens [1, S], parents before children; ancestors [S, S]

@@ -19,7 +19,7 @@ from typing import Optional
 
 import torch
 
-from pipeline.decode.kv import SlotCache
+from pipeline.decode.kv import SlotCache, with_hidden_states
 from pipeline.decode.sampling import next_token, process_logits, sample
 from pipeline.decode.types import DecodeResult, Rows, TreeProposal, left_pad
 
@@ -88,7 +88,7 @@ def _tree_decode_one(model, drafter, prompt, budget, max_new_tokens, eos_ids, pa
     drafter.start(tokens, valid)
     rows = Rows([prompt], max_new_tokens, eos_ids)
     layers = drafter.feature_layers
-    out = kv.run(tokens, valid, logits_to_keep=1, **({"output_hidden_states": list(layers)} if layers else {}))
+    out = kv.run(tokens, valid, logits_to_keep=1, **with_hidden_states(layers))
     if layers:
         drafter.observe(torch.cat([out.hidden_states[i] for i in layers], dim=-1), valid)
     last = next_token(out.logits[:, -1], temperature, top_p, generator)
@@ -98,7 +98,7 @@ def _tree_decode_one(model, drafter, prompt, budget, max_new_tokens, eos_ids, pa
         proposal = drafter.propose_tree(rows.live_seqs()[0], budget)
         chunk = torch.cat([last, proposal.tokens.to(device)])[None]  # [1, N+1]
         anc = ancestors(proposal.parents.to(device))
-        out = kv.run_tree(chunk, anc, **({"output_hidden_states": list(layers)} if layers else {}))
+        out = kv.run_tree(chunk, anc, **with_hidden_states(layers))
         path, following, verdicts = walk(proposal, out.logits[0], temperature, top_p, generator)
         for depth, ok in enumerate(verdicts):
             if depth == len(proposed):

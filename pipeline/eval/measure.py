@@ -6,6 +6,7 @@ method's own earlier answers (identical across methods when greedy decoding is l
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -33,13 +34,9 @@ class Settings:
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int = 0
-    ngram_max: int = 3
-    ngram_min: int = 2
-    tree_depth: int = 5
-    tree_topk: int = 4
-    medusa_choices: Optional[list] = None
-    confidence_threshold: float = 0.0
-    """Chains of draft models, eagle and early_exit end at a token the draft is less sure of."""
+    drafting: DraftOptions = DraftOptions()
+    """How drafters propose (n-gram lengths, tree shapes, confidence stops); its temperature,
+    top_p and generator are replaced by the ones above and each method's own."""
     hf_model: Optional[torch.nn.Module] = None
     """The target as transformers lays it out, for HF's methods (default: `model`)."""
 
@@ -107,9 +104,7 @@ def make_decode(drafter: str, settings: Settings, num_draft_tokens: Optional[int
     if drafter in HF_METHODS:
         return hf_decode(drafter, settings, num_draft_tokens, draft_model)
     kind, tree = kind_of_method(drafter)
-    options = DraftOptions(temperature=s.temperature, top_p=s.top_p, generator=generator, ngram_max=s.ngram_max,
-                           ngram_min=s.ngram_min, tree_depth=s.tree_depth, tree_topk=s.tree_topk,
-                           medusa_choices=s.medusa_choices, confidence_threshold=s.confidence_threshold)
+    options = dataclasses.replace(s.drafting, temperature=s.temperature, top_p=s.top_p, generator=generator)
     make = lambda: kind.drafter(draft_model, s.model, options)  # a fresh drafter (and its caches) per call
     if tree:
         return lambda prompts: tree_decode(s.model, make(), prompts, budget=num_draft_tokens, generator=generator,
@@ -125,7 +120,7 @@ def hf_decode(kind: str, settings: Settings, num_draft_tokens: Optional[int], dr
     s = settings
     extra = {}
     if kind == "hf_prompt_lookup":
-        extra = dict(prompt_lookup_num_tokens=num_draft_tokens, max_matching_ngram_size=s.ngram_max)
+        extra = dict(prompt_lookup_num_tokens=num_draft_tokens, max_matching_ngram_size=s.drafting.ngram_max)
     elif kind == "hf_assisted":
         # The same fixed number of draft tokens per step as ours, no early stop on confidence.
         extra = dict(num_assistant_tokens=num_draft_tokens, num_assistant_tokens_schedule="constant",

@@ -29,7 +29,7 @@ from pipeline.eval.measure import (
 )
 from pipeline.eval.report import write_report
 from pipeline.files import remove
-from pipeline.kinds import KINDS, TREE_SUFFIX, Kind, kind_of_method, make_drafter
+from pipeline.kinds import KINDS, TREE_SUFFIX, DraftOptions, Kind, kind_of_method, make_drafter
 from pipeline.models import Target, load_target
 from pipeline.runs import (
     MANIFEST, check_trained, consumed, hash_tree, own_stage_dir, read_manifest, stage_dir, write_manifest,
@@ -211,9 +211,10 @@ def run(cfg: Config) -> Path:
         heads={name: m for name, m in models.items() if name not in separate}, int8=tuple(int8))
     settings = Settings(model=target.model, tokenizer=tok, eos_ids=set(eos_token_ids(target.model, tok)),
                         max_new_tokens=ev.max_new_tokens, temperature=ev.temperature, top_p=ev.top_p,
-                        seed=cfg.seed, ngram_max=ev.ngram_max, ngram_min=ev.ngram_min, hf_model=hf_model,
-                        tree_depth=ev.tree_depth, tree_topk=ev.tree_topk, medusa_choices=ev.medusa_choices,
-                        confidence_threshold=ev.confidence_threshold)
+                        seed=cfg.seed, hf_model=hf_model, drafting=DraftOptions(
+                            ngram_max=ev.ngram_max, ngram_min=ev.ngram_min, tree_depth=ev.tree_depth,
+                            tree_topk=ev.tree_topk, medusa_choices=ev.medusa_choices,
+                            confidence_threshold=ev.confidence_threshold))
     greedy = ev.temperature == 0
     num_turns = sum(min(len(c.user_turns), cfg.data.max_turns or 99) for c in convs)
     spec = method_list(found, ev.trees)

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from pipeline.decode.kv import with_hidden_states
 from pipeline.distill.data import Batch, Example, collate
 from pipeline.files import atomic_write_json, own_dir, rename
 
@@ -114,6 +115,6 @@ def run_target(target: torch.nn.Module, batch: Batch, layers: list[int], bf16: b
     """The frozen target's hidden states `layers` on a batch (bf16 autocast if asked)."""
     with torch.autocast(batch.input_ids.device.type, dtype=torch.bfloat16, enabled=bf16):
         out = target.get_decoder()(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False,
-                                   output_hidden_states=list(layers))
+                                   **with_hidden_states(layers))
     dtype = next(target.parameters()).dtype
     return {i: out.hidden_states[i].to(dtype) for i in layers}

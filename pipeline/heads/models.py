@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeline.config import HEAD_KINDS
+from pipeline.decode.kv import with_cache
 from pipeline.errors import PipelineError
 
 HEADS_FILE = "heads.safetensors"
@@ -211,7 +212,7 @@ class EagleHead(nn.Module):
             embeds = self.embed_tokens(input_ids)
         x = torch.cat([embeds.to(features.dtype), features], dim=-1)
         return self.decoder(inputs_embeds=x, attention_mask=attention_mask, position_ids=position_ids,
-                            cache=cache, use_cache=use_cache).last_hidden_state
+                            use_cache=use_cache, **with_cache(self.decoder, cache)).last_hidden_state
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., H] output features -> [..., V_draft] logits."""

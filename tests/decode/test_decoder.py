@@ -203,6 +203,36 @@ def test_plain_decoding_equals_hf_generate_on_a_tiny_llama():
     assert ours == hf[: hf.index(EOS) + 1] if EOS in hf else ours == hf
 
 
+def test_the_model_really_reads_and_writes_our_cache():
+    """transformers renamed forward's cache keyword (past_key_values -> cache in 5.24); a name
+    the installed version does not take vanishes into **kwargs and every forward would run
+    without the cache, batch size 1 decoding garbage that plain and speculative agree on."""
+    model = tiny_llama(0)
+    kv = SlotCache(model, 1, torch.device("cpu"))
+    seq = torch.tensor([[4, 9, 2, 7, 1]])
+    with torch.inference_mode():
+        kv.forward(seq[:, :3])
+        assert kv.cache.get_seq_length() == 3
+        logits = kv.forward(seq[:, 3:])
+        assert kv.cache.get_seq_length() == 5
+        torch.testing.assert_close(logits, model(seq).logits[:, 3:], atol=1e-5, rtol=1e-4)
+
+
+def test_selected_hidden_states_are_at_their_indices():
+    """Heads read target hidden states by output_hidden_states index (negative from the end),
+    on every transformers version we support (5.23 changed how a list of indices selects)."""
+    from pipeline.decode.kv import with_hidden_states
+
+    model = tiny_llama(0, layers=3)
+    seq = torch.tensor([[4, 9, 2, 7, 1]])
+    with torch.inference_mode():
+        every = model(seq, output_hidden_states=True).hidden_states
+        some = model(seq, **with_hidden_states([1, -1])).hidden_states
+    torch.testing.assert_close(some[1], every[1])
+    torch.testing.assert_close(some[-1], every[-1])
+    assert with_hidden_states([]) == {}
+
+
 def test_in_place_cache_matches_a_full_forward_after_crops_and_row_selection():
     model = tiny_llama(0)
     kv = SlotCache(model, 2, torch.device("cpu"))
