@@ -6,7 +6,7 @@ NUM_PROCESSES ?= 2
 # Extra Hydra overrides for the pipeline targets, e.g. make demo ARGS="generate.batch_size=32"
 ARGS ?=
 
-.PHONY: setup demo test test-fast test-compat check-speculators bench bench-generate bench-verify bench-train generate-multi distill-multi clean
+.PHONY: setup demo test test-fast test-compat gpu-check check-speculators bench bench-generate bench-verify bench-train generate-multi distill-multi clean
 
 setup: $(VENV)/.installed
 
@@ -75,6 +75,12 @@ distill-multi: setup
 	DS_ACCELERATOR=$$( $(PY) -c "import torch; print('cuda' if torch.cuda.is_available() else 'cpu')" ) \
 	$(PY) -m torch.distributed.run --nproc_per_node $(NUM_PROCESSES) -m pipeline stage=distill \
 		$(if $(filter none,$(DS)),,distill.deepspeed=$(DS)) $(ARGS)
+
+# On a CUDA machine: the fast path's CUDA tests and its numbers (benchmarks/gpu_check.py), into GPU_CHECK_OUT.
+# Without .venv (the GPU machine's own python): make gpu-check PY=python3
+GPU_CHECK_OUT ?= gpu-check
+gpu-check:
+	$(PY) benchmarks/gpu_check.py --out $(GPU_CHECK_OUT) $(ARGS)
 
 clean:
 	rm -rf runs outputs wandb .pytest_cache $(COMPAT_VENV)

@@ -6,8 +6,8 @@ CPU decode layout, in one process (interleaved repetitions, medians).
 A speculative step verifies k+1 tokens (a chain) or a token tree of any size in one target
 forward after the cached context; the speedup is τ over that forward's cost v (in plain
 decoding steps) plus the drafter's. Rows: the embedded target as transformers loads it;
-with the small-batch product (W @ x.T).T alone (decode/layout.py); with oneDNN's reordered
-weights from 3 rows; and with SDPA's own grouped-query attention (decode/attention.py), which
+with the small-batch product (W @ x.T).T alone (kernels/linear.py); with oneDNN's reordered
+weights from 3 rows; and with SDPA's own grouped-query attention (kernels/gqa_attention.py), which
 together are what `stage=eval` uses (eval.decode_layout=true). The draft column is one
 decoding step of a draft of the CPU recipe's shape (2 layers, an 8192-token LM head) under
 the same layout, in fp32 and with its linear layers in int8 (layout.int8_linears, what
@@ -21,8 +21,8 @@ import copy
 
 import torch
 
-import pipeline.decode.layout as layout
-from pipeline.decode.attention import gqa_attention
+import pipeline.kernels.linear as layout
+from pipeline.kernels.gqa_attention import gqa_attention
 from pipeline.decode.prepare import restrict_vocabulary
 from pipeline.distill.draft import new_draft
 from pipeline.eval.measure import forward_step, median_seconds

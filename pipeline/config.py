@@ -206,7 +206,7 @@ class EvalConfig:
     e.g. [[0], [1], [0, 0]]); default: the most promising paths for each budget."""
     draft_int8: bool = True
     """On CPU, draft models (the distilled draft, eval.draft, a bundle's) and Medusa heads run
-    their own linear layers in int8 with activations quantized per call (pipeline/decode/layout.py):
+    their own linear layers in int8 with activations quantized per call (pipeline/kernels/linear.py):
     a draft step costs less, the target still verifies every token (lossless either way). EAGLE
     stays fp32 (it feeds its own features back, so the error compounds and τ drops), as does early
     exit (its draft is mostly the target's layers). false: everything fp32."""
@@ -214,10 +214,16 @@ class EvalConfig:
     """With draft_int8, also measure each int8 draft model and head as it is in fp32, as `<name>:fp32`."""
     compare_hf: bool = False
     """Also run HF assisted generation and prompt lookup with the same drafts and num_draft_tokens."""
+    cuda_graphs: str = "auto"
+    """Our decoder's fast path (pipeline/decode/fast.py: static KV caches, fixed shapes, fused
+    acceptance, every target and draft forward replayed from a captured CUDA graph) for plain
+    decoding and the chains of ngram and draft_model. auto: on CUDA devices, the CPU path
+    elsewhere; on: also on CPU (the same static code, without graphs); off: the CPU path's
+    decoder everywhere. Methods without a fast path yet (heads, trees) keep the CPU path's."""
     decode_layout: bool = True
     """On CPU, our decoder runs few-row inputs of every linear layer through a small-batch
-    product (pipeline/decode/layout.py) and grouped-query attention without copying the cache
-    per head (pipeline/decode/attention.py); HF's methods keep an untouched copy. false: both
+    product (pipeline/kernels/linear.py) and grouped-query attention without copying the cache
+    per head (pipeline/kernels/gqa_attention.py); HF's methods keep an untouched copy. false: both
     share the model as loaded."""
 
     def __post_init__(self) -> None:
@@ -238,10 +244,17 @@ class EvalConfig:
             raise ValueError(f"eval.confidence_threshold must be in [0, 1), got {self.confidence_threshold}")
         if self.ngram_min > self.ngram_max:
             raise ValueError("eval.ngram_min must be <= eval.ngram_max")
+        if self.cuda_graphs not in ("auto", "on", "off"):
+            raise ValueError(f"eval.cuda_graphs must be auto, on or off, got {self.cuda_graphs!r}")
 
     @property
     def fixed_num_draft_tokens(self) -> Optional[int]:
         return None if self.num_draft_tokens == "auto" else int(self.num_draft_tokens)
+
+    def fast_path(self, device_type: str) -> tuple[bool, bool]:
+        """(decode on the fast path, replay its forwards from CUDA graphs) on this device."""
+        fast = self.cuda_graphs == "on" or (self.cuda_graphs == "auto" and device_type == "cuda")
+        return fast, fast and device_type == "cuda"
 
 
 @dataclass

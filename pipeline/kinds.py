@@ -1,11 +1,11 @@
 """The draft kinds: one table of how each is found in a run, loaded, drafted with and exported.
 
-    kind         trained by   a bundle holds             trees  int8 on CPU
-    ngram        -            nothing (settings only)    -      -
-    draft_model  distill      draft/  (HF folder)        -      yes
-    medusa       heads        heads/  + medusa/          yes    yes
-    eagle        heads        heads/  + eagle3/, speculators/  yes  - (its features feed back)
-    early_exit   heads        heads/                     -      - (mostly the target's layers)
+    kind         trained by   a bundle holds             trees  int8 on CPU  fast path (CUDA)
+    ngram        -            nothing (settings only)    -      -            yes
+    draft_model  distill      draft/  (HF folder)        -      yes          yes
+    medusa       heads        heads/  + medusa/          yes    yes          - (not yet)
+    eagle        heads        heads/  + eagle3/, speculators/  yes  - (its features feed back)  - (not yet)
+    early_exit   heads        heads/                     -      - (mostly the target's layers)  - (not yet)
 
 Adding a kind touches this table and one drafter module in pipeline/decode/. The names come
 from pipeline.config (METHODS), which validates what users choose; a test checks they agree.
@@ -35,6 +35,8 @@ class DraftOptions:
     tree_topk: int = 4
     medusa_choices: Optional[list] = None
     confidence_threshold: float = 0.0
+    graphs: bool = False
+    """On the fast path (pipeline/decode/fast.py): replay the draft's forwards from CUDA graphs."""
 
 
 @dataclass(frozen=True)
@@ -71,6 +73,9 @@ class Kind:
     formats: Optional[Callable[..., dict]] = None
     """(draft module, Target, base model name, num_draft_tokens, bundle folder) -> {format: subfolder}
     for the engine layouts it writes besides our own."""
+    fast: Optional[Callable[[Any, Any, DraftOptions], Any]] = None
+    """Like `drafter`, for the fast path's chains (static caches, fixed shapes); None: the kind
+    decodes on the CPU path's decoder even where the fast path is on."""
 
     def trained_folder(self, runs_dir: str | Path, run: str) -> Path:
         if self.trained_by == "distill":
@@ -93,6 +98,20 @@ def _draft_model(module, target, o: DraftOptions):
     from pipeline.decode import ModelDrafter
 
     return ModelDrafter(module, o.temperature, o.top_p, o.generator, confidence_threshold=o.confidence_threshold)
+
+
+def _fast_ngram(settings: Optional[NgramSettings], target, o: DraftOptions):
+    from pipeline.decode.ngram import FastNgramDrafter
+
+    lengths = (settings.ngram_max, settings.ngram_min) if settings is not None else (o.ngram_max, o.ngram_min)
+    return FastNgramDrafter(*lengths, o.temperature, target.config.vocab_size)
+
+
+def _fast_draft_model(module, target, o: DraftOptions):
+    from pipeline.decode.draft_model import FastModelDrafter
+
+    return FastModelDrafter(module, o.temperature, o.top_p, o.generator,
+                            confidence_threshold=o.confidence_threshold, graphs=o.graphs)
 
 
 def _medusa(module, target, o: DraftOptions):
@@ -145,9 +164,10 @@ def _eagle_formats(head, target, base: str, num_draft_tokens: int, folder: Path)
 
 
 KINDS: dict[str, Kind] = {
-    "ngram": Kind("ngram", None, _ngram, describe="prompt lookup (n-gram) drafting, no weights"),
+    "ngram": Kind("ngram", None, _ngram, describe="prompt lookup (n-gram) drafting, no weights", fast=_fast_ngram),
     "draft_model": Kind("draft_model", "distill", _draft_model, load=_load_draft, weights="checkpoint",
-                        bundle_folder="draft", int8=True, stops_early=True, describe="draft model"),
+                        bundle_folder="draft", int8=True, stops_early=True, describe="draft model",
+                        fast=_fast_draft_model),
     "medusa": Kind("medusa", "heads", _medusa, load=_load_heads, bundle_folder="heads", trees=True, int8=True,
                    describe="Medusa heads on the target's own hidden states",
                    settings=("medusa_num_heads", "medusa_num_layers"), formats=_medusa_formats),

@@ -14,6 +14,25 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach for the network
 os.environ.setdefault("WANDB_MODE", "offline")
+# Without CUDA, Triton kernels run under Triton's interpreter on CPU tensors. It must be set
+# before anything imports Triton (its own library functions are built at import); it does not
+# make our dispatchers choose Triton on CPU (only SPECDRAFT_KERNELS=triton does).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def triton_module(name: str):
+    """A pipeline/kernels Triton module, for the kernel tests (compiled where CUDA is, else
+    interpreted: see TRITON_INTERPRET above)."""
+    import importlib
+
+    pytest.importorskip("triton")
+    return importlib.import_module(name)
+
+
+def kernel_device() -> torch.device:
+    """Where the Triton kernels run in the tests: the GPU, or the CPU under the interpreter."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def free_port() -> int:
@@ -47,6 +66,16 @@ def byte_chat_tokenizer():
                              "additional_special_tokens": ["<|im_start|>"]})
     fast.chat_template = CHATML
     return fast
+
+
+def tiny_llama(seed: int, layers: int = 2, vocab: int = 32):
+    """A random Llama of `layers` layers, 32 wide, 4 query / 2 key-value heads, in eval mode."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    return LlamaForCausalLM(config).eval()
 
 
 def make_tiny_target(folder: Path, seed: int = 0, layers: int = 2) -> Path:

@@ -73,15 +73,24 @@ def test_pipeline_imports_form_a_dag():
 
 def test_decode_imports_only_downward():
     """types at the bottom, then cache and sampling, then the drafters, then the loops."""
-    order = ["types", "kv", "layout", "attention", "sampling", "chain", "ngram", "draft_model", "medusa", "eagle",
-             "prepare", "decoder", "tree"]
+    order = ["types", "kv", "static_kv", "sampling", "chain", "ngram", "draft_model", "medusa", "eagle", "prepare",
+             "decoder", "fast", "tree"]
     graph = import_graph()
     for i, name in enumerate(order):
         below = {f"pipeline.decode.{m}" for m in order[:i]}
         ours = {m for m in graph[f"pipeline.decode.{name}"] if m.startswith("pipeline.decode")}
         assert ours <= below, (name, ours - below)
-    assert not any(m.startswith("pipeline.") and not m.startswith("pipeline.decode")
+    assert not any(m.startswith("pipeline.") and not m.startswith(("pipeline.decode", "pipeline.kernels"))
                    for name in order for m in graph[f"pipeline.decode.{name}"])
+
+
+def test_kernels_are_the_bottom_of_the_house():
+    """pipeline/kernels/ imports nothing of ours outside itself: the decoder and training use it."""
+    graph = import_graph()
+    kernels = [name for name in graph if name.startswith("pipeline.kernels")]
+    assert "pipeline.kernels.linear" in kernels
+    for name in kernels:
+        assert all(m.startswith("pipeline.kernels") for m in graph[name]), (name, graph[name])
 
 
 def test_export_does_not_import_eval():

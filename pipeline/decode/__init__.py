@@ -1,6 +1,8 @@
 """Our own lossless speculative decoder: plain decoding, chains from n-grams, draft models and
-heads, and token trees, greedy and sampling. Module order (each imports only those before it):
-types, kv, sampling, chain, ngram / draft_model / medusa / eagle, decoder, tree."""
+heads, and token trees, greedy and sampling; and its fast path (fast.py: static caches, fixed
+shapes, CUDA graphs) for plain decoding and the chains of n-grams and draft models. Module
+order (each imports only those before it, and pipeline/kernels): types, kv, static_kv,
+sampling, chain, ngram / draft_model / medusa / eagle, prepare, decoder, fast, tree."""
 
 from pipeline.decode.decoder import plain_decode, speculative_decode
 from pipeline.decode.draft_model import ModelDrafter

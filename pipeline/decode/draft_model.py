@@ -6,9 +6,10 @@ from typing import Optional
 
 import torch
 
-from pipeline.decode.chain import draft_chain
+from pipeline.decode.chain import chain_proposal, confidence, draft_chain, draw
 from pipeline.decode.kv import SlotCache
-from pipeline.decode.types import Proposal
+from pipeline.decode.static_kv import StaticModel
+from pipeline.decode.types import Proposal, Sequences
 
 
 class ModelDrafter:
@@ -66,3 +67,59 @@ class ModelDrafter:
 
     def select_rows(self, rows: torch.Tensor) -> None:
         self.kv.select_rows(rows)
+
+
+class FastModelDrafter:
+    """A draft model on the fast path: its own static cache, a forward of 2 tokens to start a
+    round and k - 1 forwards of 1 token (each a CUDA graph replay on CUDA).
+
+    The draft's cache holds every committed token but the last two. A round feeds those two at
+    their positions (the second to last is already cached unless the whole previous chain was
+    accepted: recomputing it writes the same entry), so every round has the same shapes. Its
+    chain ends where the draft is unsure (confidence_threshold) by proposing fewer tokens:
+    the draft still runs k steps, the target verifies only the confident prefix's matches.
+    """
+
+    def __init__(self, model, temperature: float = 0.0, top_p: float = 1.0,
+                 generator: Optional[torch.Generator] = None, name: str = "draft_model",
+                 confidence_threshold: float = 0.0, graphs: bool = False):
+        self.model, self.name = model, name
+        self.confidence_threshold = confidence_threshold
+        self.temperature, self.top_p, self.generator = temperature, top_p, generator
+        self.to_target = getattr(model, "draft_to_target", None)
+        self.vocab_size = model.config.vocab_size
+        self.static = StaticModel(model, graphs)
+        self.device = self.static.device
+
+    def start(self, seqs: Sequences, max_len: int) -> None:
+        self.static.ready(seqs.tokens.shape[0], max_len)
+        cached = seqs.lengths - 2  # every row's tokens but its last two
+        if int(cached.max()) > 0:
+            self.static.prefill(seqs.tokens, cached.clamp(min=1))
+
+    def propose(self, seqs: Sequences, num_draft_tokens: int) -> Proposal:
+        first, tokens, positions, start = self.static.replay(2, logits_to_keep=1)
+        start.copy_(seqs.lengths - 2)
+        positions.copy_(start[:, None] + torch.arange(2, device=self.device))
+        tokens.copy_(seqs.tokens.gather(1, positions))
+        logits = first()[:, -1]
+        step, token1, position1, start1 = self.static.replay(1, logits_to_keep=1)
+        drawn, probs = [], []
+        going = torch.ones(seqs.tokens.shape[0], dtype=torch.bool, device=self.device)
+        num = torch.zeros_like(seqs.lengths)
+        for i in range(num_draft_tokens):
+            token, q = draw(logits, self.temperature, self.top_p, self.generator, self.to_target, self.vocab_size)
+            drawn.append(token)
+            probs.append(q)
+            num += going
+            if self.confidence_threshold > 0:
+                going &= confidence(logits, token, q) >= self.confidence_threshold
+            if i < num_draft_tokens - 1:
+                token1.copy_(token[:, None])  # a target id: a draft vocabulary restricts only the LM head
+                start1.copy_(seqs.lengths + i)
+                position1.copy_(start1[:, None])
+                logits = step()[:, -1]
+        return chain_proposal(drawn, probs, num)
+
+    def accepted(self, seqs: Sequences, num_accepted: torch.Tensor) -> None:
+        pass  # the next round's first step recomputes what the cache may lack

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from pipeline.decode.types import Proposal
+from pipeline.decode.types import Proposal, Sequences
 
 
 class NgramDrafter:
@@ -52,3 +52,50 @@ def lookup(seq: list[int], k: int, max_ngram: int, min_ngram: int) -> list[int]:
             if seq[start : start + n] == tail:
                 return seq[start + n : start + n + k]
     return []
+
+
+def lookup_on_device(tokens: torch.Tensor, lengths: torch.Tensor, k: int, max_ngram: int,
+                     min_ngram: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`lookup` for every row at once, with no host round-trip: tokens [B, T] (row b's sequence
+    is its first lengths[b] entries) -> the proposals [B, k] and how many are real [B]."""
+    b, t = tokens.shape
+    starts = torch.arange(t, device=tokens.device)
+    found = torch.zeros(b, dtype=torch.bool, device=tokens.device)
+    follow = torch.zeros(b, dtype=torch.long, device=tokens.device)  # where the copied tokens begin
+    for n in range(max_ngram, min_ngram - 1, -1):
+        if n > t - 1:
+            continue
+        tail = tokens.gather(1, (lengths[:, None] - n + torch.arange(n, device=tokens.device)).clamp(min=0))  # [B, n]
+        match = (tokens.unfold(1, n, 1) == tail[:, None, :]).all(dim=-1)  # [B, T - n + 1]: window at s
+        # an earlier occurrence (the tail itself excluded), and n < length as lookup asks
+        ok = match & (starts[None, : t - n + 1] <= (lengths[:, None] - n - 1)) & (lengths[:, None] > n)
+        latest = torch.where(ok, starts[None, : t - n + 1], -1).amax(dim=1)  # [B]
+        new = (latest >= 0) & ~found
+        follow = torch.where(new, latest + n, follow)
+        found |= new
+    proposals = tokens.gather(1, (follow[:, None] + torch.arange(k, device=tokens.device)).clamp(max=t - 1))
+    num = torch.where(found, (lengths - follow).clamp(min=0, max=k), 0)
+    return proposals, num
+
+
+class FastNgramDrafter:
+    """Prompt lookup on the fast path: the same proposals as NgramDrafter, found on the device."""
+
+    name = "ngram"
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 2, temperature: float = 0.0, vocab_size: int = 0):
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self.temperature, self.vocab_size = temperature, vocab_size
+
+    def start(self, seqs: Sequences, max_len: int) -> None:
+        pass
+
+    def propose(self, seqs: Sequences, num_draft_tokens: int) -> Proposal:
+        tokens, num = lookup_on_device(seqs.tokens, seqs.lengths, num_draft_tokens, self.max_ngram, self.min_ngram)
+        probs = None
+        if self.temperature > 0:  # a deterministic proposal: q is a point mass
+            probs = torch.nn.functional.one_hot(tokens, self.vocab_size).float()
+        return Proposal(tokens, num, probs)
+
+    def accepted(self, seqs: Sequences, num_accepted: torch.Tensor) -> None:
+        pass

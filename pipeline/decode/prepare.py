@@ -9,8 +9,8 @@ from typing import Optional
 
 import torch
 
-from pipeline.decode.attention import gqa_attention
-from pipeline.decode.layout import decode_layout, int8_linears
+from pipeline.kernels.gqa_attention import gqa_attention
+from pipeline.kernels.linear import decode_layout, int8_linears
 
 log = logging.getLogger(__name__)
 
@@ -31,9 +31,9 @@ def prepare_for_decoding(model: torch.nn.Module, drafts: dict[str, torch.nn.Modu
                          int8: tuple[str, ...] = ()):
     """Prepare the target and drafts for our decoder, in place: drafts with a draft vocabulary
     keep only its LM-head rows (distill/draft.py), the drafts and heads named in `int8` run
-    their own CPU linear layers in int8 (decode/layout.py), and on CPU with `layout` every linear layer
-    runs few-row inputs through the small-batch product (decode/layout.py) and grouped-query
-    attention reads the cache without copying it per head (decode/attention.py).
+    their own CPU linear layers in int8 (kernels/linear.py), and on CPU with `layout` every linear layer
+    runs few-row inputs through the small-batch product (kernels/linear.py) and grouped-query
+    attention reads the cache without copying it per head (kernels/gqa_attention.py).
 
     Returns the target and drafts for HF's methods: copies as transformers loaded them (where
     anything changed), so that HF generate runs on the model every transformers user gets. The

@@ -79,6 +79,29 @@ class Drafter(Protocol):
         ...
 
 
+@dataclass
+class Sequences:
+    """The rows' committed tokens on the device."""
+
+    tokens: torch.Tensor
+    """[B, T] prompt + emitted tokens; entries at or past a row's length are stale."""
+    lengths: torch.Tensor
+    """[B] committed tokens per row."""
+
+
+class FastDrafter(Protocol):
+    name: str
+
+    def start(self, seqs: Sequences, max_len: int) -> None:
+        """Prefill the draft on the prompts (seqs holds them and the first emitted token)."""
+
+    def propose(self, seqs: Sequences, num_draft_tokens: int) -> Proposal:
+        """Exactly num_draft_tokens columns per row; num_proposed says how many are real."""
+
+    def accepted(self, seqs: Sequences, num_accepted: torch.Tensor) -> None:
+        """After seqs grew by the accepted tokens and the next one."""
+
+
 def left_pad(prompts: list[list[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     width = max(len(p) for p in prompts)
     tokens = torch.full((len(prompts), width), pad_id, dtype=torch.long)

@@ -17,6 +17,8 @@ import torch
 from pipeline.data.chat import first_prompt_ids, next_turn_ids
 from pipeline.data.sources import Conversation
 from pipeline.decode import DecodeResult, plain_decode, speculative_decode, tree_decode
+from pipeline.decode.fast import fast_decode
+from pipeline.decode.static_kv import StaticModel
 from pipeline.kinds import DraftOptions, kind_of_method
 
 Decode = Callable[[list[list[int]]], DecodeResult]
@@ -39,6 +41,9 @@ class Settings:
     top_p and generator are replaced by the ones above and each method's own."""
     hf_model: Optional[torch.nn.Module] = None
     """The target as transformers lays it out, for HF's methods (default: `model`)."""
+    fast: Optional[StaticModel] = None
+    """The target on the decoder's fast path (eval.cuda_graphs); None: the CPU path's decoder.
+    Every method shares it: one static cache, one captured forward per verify width."""
 
     @property
     def pad_id(self) -> int:
@@ -99,12 +104,20 @@ def make_decode(drafter: str, settings: Settings, num_draft_tokens: Optional[int
     common = dict(max_new_tokens=s.max_new_tokens, eos_ids=s.eos_ids, pad_id=s.pad_id,
                   temperature=s.temperature, top_p=s.top_p)
     generator = torch.Generator(device=next(s.model.parameters()).device).manual_seed(s.seed)
+    fast = dict(max_new_tokens=s.max_new_tokens, eos_ids=s.eos_ids, temperature=s.temperature, top_p=s.top_p,
+                generator=generator)
     if drafter == "plain":
+        if s.fast is not None:
+            return lambda prompts: fast_decode(s.fast, None, prompts, num_draft_tokens=0, **fast)
         return lambda prompts: plain_decode(s.model, prompts, generator=generator, **common)
     if drafter in HF_METHODS:
         return hf_decode(drafter, settings, num_draft_tokens, draft_model)
     kind, tree = kind_of_method(drafter)
     options = dataclasses.replace(s.drafting, temperature=s.temperature, top_p=s.top_p, generator=generator)
+    if s.fast is not None and not tree and kind.fast is not None:
+        # One drafter for every call: its static cache and captured forwards are kept.
+        made = kind.fast(draft_model, s.model, dataclasses.replace(options, graphs=s.fast.graphs))
+        return lambda prompts: fast_decode(s.fast, made, prompts, num_draft_tokens=num_draft_tokens, **fast)
     make = lambda: kind.drafter(draft_model, s.model, options)  # a fresh drafter (and its caches) per call
     if tree:
         return lambda prompts: tree_decode(s.model, make(), prompts, budget=num_draft_tokens, generator=generator,
@@ -232,9 +245,20 @@ class Divergence:
 
 
 @torch.inference_mode()
-def greedy_divergences(model, reference: Measurement, other: Measurement) -> list[Divergence]:
+def tie_epsilon(dtype: torch.dtype) -> float:
+    """The top-2 logit gap below which two greedy decoders of the same model may disagree: forwards
+    of different widths round differently, by float32 noise, or by a few bf16/fp16 units at
+    the size of LM logits (bf16 keeps 8 significant bits: steps of 0.125 between 16 and 32)."""
+    return {torch.bfloat16: 0.25, torch.float16: 0.05}.get(dtype, 1e-4)
+
+
+def greedy_divergences(model, reference: Measurement, other: Measurement,
+                       epsilon: Optional[float] = None) -> list[Divergence]:
     """Where `other`'s greedy outputs differ from `reference`'s (later turns of a diverged
-    conversation are not compared: their contexts differ)."""
+    conversation are not compared: their contexts differ); `tie` where the reference's top-2
+    logits there are closer than epsilon (default: tie_epsilon of the model's dtype)."""
+    if epsilon is None:
+        epsilon = tie_epsilon(next(model.parameters()).dtype)
     found = []
     for conv, turns in reference.outputs.items():
         for turn, (want, got) in enumerate(zip(turns, other.outputs[conv])):
@@ -244,7 +268,7 @@ def greedy_divergences(model, reference: Measurement, other: Measurement) -> lis
             context = reference.contexts[conv][turn] + want[:i]
             logits = model(torch.tensor([context], device=next(model.parameters()).device)).logits[0, -1]
             top2 = logits.float().topk(2).values
-            found.append(Divergence(conv, turn, i, bool(top2[0] - top2[1] < 1e-4)))
+            found.append(Divergence(conv, turn, i, bool(top2[0] - top2[1] < epsilon)))
             break
     return found
 
@@ -268,6 +292,22 @@ def forward_step(model, new_tokens: int, context: int = 128) -> Callable[[], Non
         kv.keep_last(drop)
 
     return step
+
+
+def fast_forward_step(model: StaticModel, new_tokens: int, context: int = 128,
+                      logits_to_keep: int = 0) -> Callable[[], torch.Tensor]:
+    """forward_step on the fast path: a forward of `new_tokens` after a cached `context` (a CUDA
+    graph replay where the model replays them): a target's verification, or a draft's step."""
+    gen = torch.Generator().manual_seed(0)
+    model.ready(1, context + new_tokens + 1)
+    tokens = torch.randint(0, model.model.config.vocab_size, (1, model.max_len), generator=gen).to(model.device)
+    with torch.inference_mode():  # the static buffers are inference tensors
+        model.prefill(tokens, torch.tensor([context], device=model.device))
+        replay, chunk, positions, start = model.replay(new_tokens, logits_to_keep)
+        chunk.copy_(tokens[:, context : context + new_tokens])
+        start.fill_(context)
+        positions.copy_(context + torch.arange(new_tokens, device=model.device))
+    return replay
 
 
 def heads_step(heads, target, context: int = 128) -> tuple[Callable[[], None], int]:

@@ -6,10 +6,11 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from conftest import tiny_llama
 from pipeline.decode import ModelDrafter, NgramDrafter, plain_decode, speculative_decode
 from pipeline.decode.ngram import lookup
 from pipeline.decode.kv import SlotCache
-from pipeline.decode.layout import onednn_available, onednn_dtypes
+from pipeline.kernels.linear import onednn_available, onednn_dtypes
 
 VOCAB, EOS, PAD = 32, 31, 0
 
@@ -146,13 +147,6 @@ def test_ngram_drafter_on_a_repeating_target():
     assert result.tau > 4.0
 
 
-def tiny_llama(seed, layers=2, vocab=VOCAB):
-    torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
-    return LlamaForCausalLM(config).eval()
-
-
 def restricted(model, ids):
     from pipeline.decode.prepare import restrict_vocabulary
 
@@ -249,7 +243,7 @@ def test_in_place_cache_matches_a_full_forward_after_crops_and_row_selection():
 
 
 def test_small_batch_linear_matches_nn_linear():
-    from pipeline.decode.layout import MAX_ROWS, SmallBatchLinear
+    from pipeline.kernels.linear import MAX_ROWS, SmallBatchLinear
 
     torch.manual_seed(0)
     for bias in (False, True):
@@ -267,7 +261,7 @@ def test_small_batch_linear_matches_nn_linear():
 
 @pytest.mark.skipif(not onednn_available(), reason="PyTorch built without oneDNN")
 def test_small_batch_linear_onednn_copy_follows_the_weight():
-    from pipeline.decode.layout import SmallBatchLinear
+    from pipeline.kernels.linear import SmallBatchLinear
 
     torch.manual_seed(0)
     plain = torch.nn.Linear(48, 80)
@@ -294,7 +288,7 @@ def test_small_batch_linear_onednn_copy_follows_the_weight():
 
 
 def test_decode_layout_keeps_the_function():
-    from pipeline.decode.layout import decode_layout, is_decode_layout
+    from pipeline.kernels.linear import decode_layout, is_decode_layout
 
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -318,12 +312,12 @@ def test_decode_layout_keeps_the_function():
 
 
 def test_gqa_attention_reads_the_cache_without_copies(monkeypatch):
-    """decode/attention.py: a multi-token step after a cache (a verification), with and without
+    """kernels/gqa_attention.py: a multi-token step after a cache (a verification), with and without
     padding, gives the logits of transformers' sdpa attention without its per-head copy of the
     cache (repeat_kv)."""
     import transformers.integrations.sdpa_attention as hf_sdpa
 
-    from pipeline.decode.attention import gqa_attention
+    from pipeline.kernels.gqa_attention import gqa_attention
 
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -351,10 +345,10 @@ def test_gqa_attention_reads_the_cache_without_copies(monkeypatch):
 
 
 def test_int8_linears_keep_greedy_outputs():
-    """eval runs a draft's CPU linear layers in int8 (decode/layout.py): its logits move a
+    """eval runs a draft's CPU linear layers in int8 (kernels/linear.py): its logits move a
     little, every linear layer (the tied LM head once) changes, nothing else does, and greedy
     speculative decoding with it still emits exactly the target's plain greedy tokens."""
-    from pipeline.decode.layout import decode_layout, int8_linears
+    from pipeline.kernels.linear import decode_layout, int8_linears
 
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,

@@ -78,12 +78,12 @@ def test_batched_speculative_greedy_equals_plain_greedy(setup):
 
 
 def test_decode_layout_keeps_greedy_outputs(setup):
-    """The eval stage's decode layout (decode/layout.py: small-batch products, oneDNN from 3 rows;
-    decode/attention.py: grouped-query attention without cache copies) keeps greedy outputs."""
+    """The eval stage's decode layout (kernels/linear.py: small-batch products, oneDNN from 3 rows;
+    kernels/gqa_attention.py: grouped-query attention without cache copies) keeps greedy outputs."""
     import copy
 
-    from pipeline.decode.attention import gqa_attention
-    from pipeline.decode.layout import decode_layout
+    from pipeline.kernels.gqa_attention import gqa_attention
+    from pipeline.kernels.linear import decode_layout
 
     target, prompts, eos, plain = setup
     model = copy.deepcopy(target.model)

@@ -13,7 +13,7 @@ from scipy.stats import chisquare
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from pipeline.decode import ModelDrafter, NgramDrafter, speculative_decode
-from pipeline.decode.layout import int8_linears
+from pipeline.kernels.linear import int8_linears
 from pipeline.decode.sampling import accept_sampling, process_logits
 from pipeline.decode.prepare import restrict_vocabulary
 from pipeline.heads import build_heads
@@ -143,11 +143,51 @@ def test_speculative_sampling_matches_the_target_distribution(drafter_kind, k, t
     # One batch of n identical prompts: rows are independent samples that accept different lengths.
     out = speculative_decode(target, drafter, [prompt] * n, num_draft_tokens=k, max_new_tokens=length,
                              eos_ids=set(), pad_id=0, temperature=temperature, top_p=top_p, generator=gen)
-    # Both kinds of step must be common: runs of accepted drafts, and rejections with residual sampling.
-    accepted, proposed = out.accepted_by_position, out.proposed_by_position
-    assert accepted[1] > n / 20 and proposed[0] - accepted[0] > n / 20, (proposed, accepted)
-    if threshold:  # and chains that ended early: accepted first tokens whose second was never proposed
-        assert accepted[0] - proposed[1] > n / 20, (proposed, accepted)
+    check_samples(out, target, prompt, temperature, top_p, threshold)
+
+
+@pytest.mark.parametrize("drafter_kind, k, temperature, top_p, threshold", [
+    ("plain", 0, 1.0, 1.0, 0.0),
+    ("draft_model", 3, 1.0, 1.0, 0.0),
+    ("draft_model", 2, 0.7, 0.9, 0.6),
+    ("ngram", 3, 1.0, 1.0, 0.0),
+    ("draft_vocab", 2, 1.0, 1.0, 0.0),
+])
+def test_fast_path_sampling_matches_the_target_distribution(drafter_kind, k, temperature, top_p, threshold):
+    """The same check on the fast path (static caches, the fused acceptance with its inverse-CDF
+    draw from the residual)."""
+    from pipeline.decode.draft_model import FastModelDrafter
+    from pipeline.decode.fast import fast_decode
+    from pipeline.decode.ngram import FastNgramDrafter
+    from pipeline.decode.static_kv import StaticModel, use_static_attention
+
+    target = sharp_llama(0, scale=15.0)
+    prompt = lookup_prompt(target)
+    use_static_attention(target)
+    gen = torch.Generator().manual_seed(1)
+    drafter = None
+    if drafter_kind == "ngram":
+        drafter = FastNgramDrafter(temperature=temperature, vocab_size=VOCAB)
+    elif drafter_kind != "plain":
+        draft = sharp_llama(7, scale=15.0)
+        if drafter_kind == "draft_vocab":
+            restrict_vocabulary(draft, torch.tensor([0, 2, 3, 5]))
+        use_static_attention(draft)
+        drafter = FastModelDrafter(draft, temperature, top_p, gen, confidence_threshold=threshold)
+    out = fast_decode(StaticModel(target, graphs=False), drafter, [prompt] * 24_000, num_draft_tokens=k,
+                      max_new_tokens=3, eos_ids=set(), temperature=temperature, top_p=top_p, generator=gen)
+    check_samples(out, target, prompt, temperature, top_p, threshold, drafted=drafter is not None)
+
+
+def check_samples(out, target, prompt, temperature, top_p, threshold, drafted=True) -> None:
+    """out: n rows of `length` tokens sampled for `prompt` -> each position's marginal and the
+    first two tokens' joint match the target's exact distribution."""
+    n, length = len(out.tokens), len(out.tokens[0])
+    if drafted:  # both kinds of step are common: runs of accepted drafts, and rejections with residual sampling
+        accepted, proposed = out.accepted_by_position, out.proposed_by_position
+        assert accepted[1] > n / 20 and proposed[0] - accepted[0] > n / 20, (proposed, accepted)
+        if threshold:  # and chains that ended early: accepted first tokens whose second was never proposed
+            assert accepted[0] - proposed[1] > n / 20, (proposed, accepted)
     seqs = torch.tensor(out.tokens)  # [N, length]
     index = (seqs * torch.tensor([VOCAB ** (length - 1 - i) for i in range(length)])).sum(1)
     joint = torch.bincount(index, minlength=VOCAB ** length)

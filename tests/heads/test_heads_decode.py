@@ -109,7 +109,7 @@ def test_int8_heads_keep_greedy_outputs_and_leave_the_target_alone(kind):
     """Heads' own linear layers in int8 (eval's CPU default for Medusa; EAGLE only if asked):
     the target (whose embeddings and norms the heads borrow) is untouched, and chains and
     trees still emit exactly the target's plain greedy tokens."""
-    from pipeline.decode.layout import int8_linears, is_int8
+    from pipeline.kernels.linear import int8_linears, is_int8
     from pipeline.decode.tree import tree_decode
 
     target = tiny_target()

@@ -1,0 +1,179 @@
+"""Static KV caches and fixed-shape forwards: what the decoder's fast path is made of.
+
+A StaticCache preallocates every layer's keys and values for the longest sequence,
+[B, Hkv, T, D]. A forward of w tokens per row writes their keys and values at each row's
+own slots (`start[b]` .. `start[b] + w - 1`) and attends the row's slots before `start[b]`
+plus the new tokens under a tree mask (pipeline/kernels/tree_attention.py); nothing is
+masked by padding, nothing is copied, and rows hold different lengths. Slots past a row's
+length are stale and never read, so rolling back a rejected draft costs nothing: the next
+forward writes over it.
+
+The model runs its own transformers forward with attention implementation `specdraft_static`
+and a `static_step=StaticStep(...)` keyword, which transformers hands to every attention
+layer; the same model called without it (HF generate, training) gets transformers' sdpa
+attention. `Replay` runs one such forward at fixed shapes from static input buffers: from a
+captured CUDA graph on CUDA (when asked), else by calling it, the same code either way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+from pipeline.kernels.tree_attention import tree_attention
+
+ATTENTION = "specdraft_static"
+SLACK = 256  # caches grow in steps of this many slots, so that a slightly longer call reuses them
+
+
+class StaticCache:
+    """Keys and values of every attention layer of `model`, preallocated: [B, Hkv, T, D] each."""
+
+    def __init__(self, model: torch.nn.Module, batch_size: int, max_len: int, device: torch.device,
+                 dtype: torch.dtype) -> None:
+        config = model.config
+        heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        shape = (batch_size, heads, max_len, head_dim)
+        self.keys = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.num_hidden_layers)]
+        self.values = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.num_hidden_layers)]
+        self.max_len = max_len
+
+    def move(self, start: torch.Tensor, source: torch.Tensor, count: int) -> None:
+        """For each row b, copy the entries at slots start[b] + source[b, j] to start[b] + j
+        (j < count; source [B, count], non-decreasing): a tree's accepted path made contiguous."""
+        b = start.shape[0]
+        src = (start[:, None] + source[:, :count])[:, None, :, None]  # [B, 1, count, 1]
+        dst = (start[:, None] + torch.arange(count, device=start.device))[:, None, :, None]
+        for cache in (*self.keys, *self.values):
+            index = src.expand(b, cache.shape[1], count, cache.shape[3])
+            cache.scatter_(2, dst.expand_as(index), cache.gather(2, index))
+
+
+@dataclass
+class StaticStep:
+    """What one forward's attention layers read besides their q, k, v: where each row's new
+    tokens go and what they see."""
+
+    cache: StaticCache
+    start: torch.Tensor
+    """[B] slot of each row's first new token (= the row's visible committed slots)."""
+    tree: Optional[torch.Tensor] = None
+    """[W, W] bool ancestors among the new tokens; None: a causal chain."""
+
+
+def static_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
+                     static_step: Optional[StaticStep] = None, **kwargs):
+    """transformers' attention interface: the static cache's write and tree attention when called
+    with static_step, else transformers' own sdpa attention."""
+    if static_step is None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    keys = static_step.cache.keys[module.layer_idx]  # [B, Hkv, T, D]
+    values = static_step.cache.values[module.layer_idx]
+    b, hkv, w, d = key.shape
+    slots = (static_step.start[:, None] + torch.arange(w, device=key.device))[:, None, :, None]  # [B, 1, W, 1]
+    slots = slots.expand(b, hkv, w, d)
+    keys.scatter_(2, slots, key.to(keys.dtype))
+    values.scatter_(2, slots, value.to(values.dtype))
+    scale = scaling if scaling is not None else d ** -0.5
+    out = tree_attention(query, keys, values, static_step.start, static_step.tree, scale)  # [B, Hq, W, D]
+    return out.transpose(1, 2).contiguous(), None
+
+
+def use_static_attention(model: torch.nn.Module) -> None:
+    """Register `specdraft_static` with transformers and switch `model` to it, in place."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(ATTENTION, static_attention)
+    AttentionMaskInterface.register(ATTENTION, sdpa_mask)  # for calls without static_step
+    if getattr(model.config, "_attn_implementation", None) != ATTENTION:
+        model.set_attn_implementation(ATTENTION)
+    if model.config._attn_implementation != ATTENTION:
+        raise ValueError(f"{type(model).__name__} does not take the attention implementation {ATTENTION}")
+
+
+def static_forward(model, tokens: torch.Tensor, positions: torch.Tensor, step: StaticStep,
+                   logits_to_keep: int = 0, **inputs):
+    """The model's output for tokens [B, W] at positions [B, W] after the static cache."""
+    return model(input_ids=tokens, position_ids=positions, use_cache=False, static_step=step,
+                 logits_to_keep=logits_to_keep, **inputs)
+
+
+class Replay:
+    """A function of static buffers, run as it is or replayed from a captured CUDA graph.
+
+    `fn()` reads input tensors the caller fills in place before each call and returns an
+    output tensor; with `graph` (CUDA only) the first call warms it up on a side stream and
+    captures it, and every call replays the capture, whose output tensor is the same storage
+    each time (read it before the next call)."""
+
+    def __init__(self, fn: Callable[[], torch.Tensor], graph: bool, pool=None) -> None:
+        self.fn, self.graph, self.pool = fn, graph, pool
+        self.captured: Optional[torch.cuda.CUDAGraph] = None
+        self.out: Optional[torch.Tensor] = None
+
+    def __call__(self) -> torch.Tensor:
+        if not self.graph:
+            return self.fn()
+        if self.captured is None:
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(2):  # warm-up: lazy inits and autotuning happen outside the capture
+                    self.fn()
+            torch.cuda.current_stream().wait_stream(stream)
+            self.captured = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.captured, pool=self.pool):
+                self.out = self.fn()
+        self.captured.replay()
+        return self.out
+
+
+class StaticModel:
+    """A model with its static cache and its captured forwards, kept across calls of the same
+    batch size (a call that needs longer sequences reallocates them)."""
+
+    def __init__(self, model: torch.nn.Module, graphs: bool) -> None:
+        self.model, self.graphs = model, graphs
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self.batch = self.max_len = 0
+        self.pool = torch.cuda.graph_pool_handle() if graphs else None
+
+    def ready(self, batch: int, max_len: int) -> None:
+        if batch == self.batch and max_len <= self.max_len:
+            return
+        self.batch, self.max_len = batch, -(-max_len // SLACK) * SLACK
+        self.cache = StaticCache(self.model, batch, self.max_len, self.device, self.dtype)
+        self.replays: dict[tuple[int, int], tuple[Replay, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+    def replay(self, width: int, logits_to_keep: int = 0):
+        """A forward of `width` tokens per row from static buffers: (replay -> logits [B, W', V],
+        tokens [B, W], positions [B, W], start [B]) where W' = logits_to_keep or W; fill the
+        buffers, then call the replay."""
+        key = (width, logits_to_keep)
+        if key not in self.replays:
+            tokens = torch.zeros((self.batch, width), dtype=torch.long, device=self.device)
+            positions = torch.zeros_like(tokens)
+            start = torch.zeros(self.batch, dtype=torch.long, device=self.device)
+            step = StaticStep(self.cache, start)
+            fn = lambda: static_forward(self.model, tokens, positions, step, logits_to_keep).logits
+            self.replays[key] = (Replay(fn, self.graphs, self.pool), tokens, positions, start)
+        return self.replays[key]
+
+    def prefill(self, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """Cache each row's first lengths[b] >= 1 tokens of tokens [B, T] (rows right-padded); the
+        logits after each row's last one. [B, V]"""
+        width = int(lengths.max())
+        positions = torch.arange(width, device=self.device).expand(self.batch, width)
+        last = lengths - 1
+        keep = torch.unique(last)  # the rows' last positions, each once
+        step = StaticStep(self.cache, torch.zeros(self.batch, dtype=torch.long, device=self.device))
+        logits = static_forward(self.model, tokens[:, :width], positions, step, logits_to_keep=keep).logits
+        return logits[torch.arange(self.batch, device=self.device), torch.searchsorted(keep, last)]
