@@ -13,8 +13,9 @@ Writes DIR/gpu_check.json and DIR/gpu_check.md (and prints the table):
    decoding's (differences only at bf16 near-ties);
 3. verify: a fast-path verification of w tokens against a 1-token step (graph replays,
    medians of interleaved timings), w = 1 .. 64;
-4. batch: ShareGPT first turns at batch 256 (256 new tokens): the fast path at a fixed
-   batch, and our batched plain decoder as the generate stage runs it.
+4. batch: the generate stage's decoding of ShareGPT first turns at batch 256 (256 new
+   tokens): the fast path with continuous batching (512 prompts), and our batched plain
+   decoder (the first 256).
 
 Each part records its error instead of stopping the run; parts left when the budget runs
 out are marked skipped. Run it with the machine's own python (`make gpu-check PY=python3`).
@@ -66,13 +67,20 @@ def conversations(source: str, path, per_category=None, limit=None):
     return load_conversations(source, path, per_category=per_category, limit=limit).conversations
 
 
-def decode_part(target, mtbench, max_new_tokens: int) -> dict:
+def sync() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def decode_part(target, mtbench, max_new_tokens: int, graphs: bool) -> dict:
     import copy
 
     import torch
 
     from pipeline.data.chat import eos_token_ids
-        from pipeline.decode.static_kv import StaticModel, use_static_attention
+    from pipeline.decode.static_kv import StaticModel, use_static_attention
     from pipeline.eval.measure import Method, Settings, greedy_divergences, make_decode, measure
 
     model, tok = target.model, target.tokenizer
@@ -80,7 +88,7 @@ def decode_part(target, mtbench, max_new_tokens: int) -> dict:
     use_static_attention(model)
     eos = set(eos_token_ids(model, tok))
     fast = Settings(model=model, tokenizer=tok, eos_ids=eos, max_new_tokens=max_new_tokens,
-                    fast=StaticModel(model, graphs=True))
+                    fast=StaticModel(model, graphs=graphs))
     eager = Settings(model=model, tokenizer=tok, eos_ids=eos, max_new_tokens=max_new_tokens, hf_model=hf)
 
     def hf_static(prompts):
@@ -117,41 +125,47 @@ def decode_part(target, mtbench, max_new_tokens: int) -> dict:
             "max_new_tokens": max_new_tokens}
 
 
-def verify_part(target) -> dict:
-        from pipeline.eval.measure import fast_forward_step, median_seconds
+def verify_part(target, graphs: bool, widths: list[int]) -> dict:
+    from pipeline.decode.static_kv import StaticModel
+    from pipeline.eval.measure import fast_forward_step, median_seconds
 
-    fast = StaticModel(target.model, graphs=True)
-    seconds = median_seconds({w: fast_forward_step(fast, w) for w in WIDTHS}, target.model, reps=30)
+    fast = StaticModel(target.model, graphs=graphs)
+    seconds = median_seconds({w: fast_forward_step(fast, w) for w in widths}, target.model, reps=30)
     return {"ms": {w: 1000 * s for w, s in seconds.items()}, "vs_one": {w: s / seconds[1] for w, s in seconds.items()}}
 
 
-def batch_part(target, sharegpt, batch: int, max_new_tokens: int) -> dict:
+def batch_part(target, sharegpt, batch: int, max_new_tokens: int, graphs: bool) -> dict:
+    """The generate stage's decoding: 2 x batch ShareGPT first turns through `batch` rows on the
+    fast path (continuous batching), and the first `batch` of them with our batched plain
+    decoder (the CPU path's, whose batch shrinks as rows finish)."""
     import torch
 
     from pipeline.data.chat import eos_token_ids, first_prompt_ids
     from pipeline.decode import plain_decode
-    from pipeline.decode.fast import fast_decode
+    from pipeline.decode.fast import continuous_decode
+    from pipeline.decode.static_kv import StaticModel
 
     tok = target.tokenizer
     eos = set(eos_token_ids(target.model, tok))
-    prompts = [first_prompt_ids(tok, c)[-512:] for c in sharegpt[:batch]]
-    fast = StaticModel(target.model, graphs=True)
-    fast_decode(fast, None, prompts, num_draft_tokens=0, max_new_tokens=4, eos_ids=eos)  # capture
-    out = {}
-    for name, run in (("fast path, fixed batch", lambda: fast_decode(fast, None, prompts, num_draft_tokens=0,
-                                                                     max_new_tokens=max_new_tokens, eos_ids=eos)),
-                      ("CPU path's batched decoder", lambda: plain_decode(target.model, prompts,
-                                                                          max_new_tokens=max_new_tokens, eos_ids=eos,
-                                                                          pad_id=tok.pad_token_id))):
-        torch.cuda.synchronize()
+    prompts = [first_prompt_ids(tok, c)[-512:] for c in sharegpt[: 2 * batch]]
+    fast = StaticModel(target.model, graphs=graphs)
+    continuous_decode(fast, prompts[:batch], batch_size=batch, max_new_tokens=4, eos_ids=eos)  # capture
+    runs = {"fast path, continuous batching": lambda: continuous_decode(
+                fast, prompts, batch_size=batch, max_new_tokens=max_new_tokens, eos_ids=eos),
+            "CPU path's batched decoder": lambda: plain_decode(
+                target.model, prompts[:batch], max_new_tokens=max_new_tokens, eos_ids=eos, pad_id=tok.pad_token_id)}
+    out, answers = {}, {}
+    for name, run in runs.items():
+        sync()
         t0 = time.perf_counter()
         result = run()
-        torch.cuda.synchronize()
+        sync()
         seconds = time.perf_counter() - t0
         tokens = sum(map(len, result.tokens))
-        out[name] = dict(tokens=tokens, seconds=seconds, tokens_per_s=tokens / seconds, outputs=result.tokens)
-    same = sum(a == b for a, b in zip(*(v.pop("outputs") for v in out.values())))
-    return {"batch": batch, "max_new_tokens": max_new_tokens, "rows": out, "identical_rows": same}
+        out[name] = dict(prompts=len(result.tokens), tokens=tokens, seconds=seconds, tokens_per_s=tokens / seconds)
+        answers[name] = result.tokens[:batch]
+    same = sum(a == b for a, b in zip(*answers.values()))
+    return {"batch": batch, "max_new_tokens": max_new_tokens, "rows": out, "identical_answers": same}
 
 
 def markdown(results: dict) -> str:
@@ -161,7 +175,7 @@ def markdown(results: dict) -> str:
     lines += [f"Tests ({' '.join(CUDA_TESTS)}): {tests.get('summary') or tests.get('error') or tests.get('skipped')}", ""]
     dec = results.get("decode", {})
     if "methods" in dec:
-        lines += [f"MT-bench, {dec['turns']} turns, greedy, {dec['max_new_tokens']} new tokens, batch 1, bf16 "
+        lines += [f"MT-bench, {dec['turns']} turns, greedy, {dec['max_new_tokens']} new tokens, batch 1, {results['dtype']} "
                   f"(HF static-cache compile: {dec['hf_static_compile_s']:.0f} s, not counted):", "",
                   "| method | tokens/s | vs fast plain | τ | differs from plain (near-ties) |", "|---|---:|---:|---:|---|"]
         base = dec["methods"]["plain (fast path)"]["tokens_per_s"]
@@ -172,16 +186,18 @@ def markdown(results: dict) -> str:
         lines.append("")
     ver = results.get("verify", {})
     if "ms" in ver:
-        lines += ["Fast-path verification of w tokens (CUDA graph replay, context 128):", "",
+        lines += [f"Fast-path verification of w tokens ({'CUDA graph replay' if results['device'] != 'cpu' else 'no graphs'}"
+                  ", context 128):", "",
                   "| w | ms | vs w=1 |", "|---:|---:|---:|"]
-        lines += [f"| {w} | {ver['ms'][w]:.3f} | {ver['vs_one'][w]:.2f}x |" for w in WIDTHS]
+        lines += [f"| {w} | {ver['ms'][w]:.3f} | {ver['vs_one'][w]:.2f}x |" for w in ver["ms"]]
         lines.append("")
     bat = results.get("batch", {})
     if "rows" in bat:
-        lines += [f"ShareGPT first turns, batch {bat['batch']}, {bat['max_new_tokens']} new tokens "
-                  f"(identical outputs: {bat['identical_rows']} of {bat['batch']}):", "",
-                  "| decoder | tokens | s | tokens/s |", "|---|---:|---:|---:|"]
-        lines += [f"| {n} | {r['tokens']} | {r['seconds']:.1f} | {r['tokens_per_s']:.0f} |" for n, r in bat["rows"].items()]
+        lines += [f"ShareGPT first turns, batch {bat['batch']}, {bat['max_new_tokens']} new tokens (the first "
+                  f"{bat['batch']} answers identical in both: {bat['identical_answers']}):", "",
+                  "| decoder | prompts | tokens | s | tokens/s |", "|---|---:|---:|---:|---:|"]
+        lines += [f"| {n} | {r['prompts']} | {r['tokens']} | {r['seconds']:.1f} | {r['tokens_per_s']:.0f} |"
+                  for n, r in bat["rows"].items()]
     for name in ("tests", "decode", "verify", "batch"):
         if "error" in results.get(name, {}):
             lines += ["", f"{name} failed:", "```", results[name]["error"], "```"]
@@ -196,31 +212,39 @@ def main() -> None:
     parser.add_argument("--budget-s", type=float, default=540)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--smoke", action="store_true",
+                        help="a minute's version on any machine (CPU: fp32, no graphs, no tests): checks the script")
     args = parser.parse_args()
     deadline = time.monotonic() + args.budget_s
     import torch
     import transformers
 
-    if not torch.cuda.is_available():
-        sys.exit("gpu-check: no CUDA device")
+    cuda = torch.cuda.is_available()
+    if not cuda and not args.smoke:
+        sys.exit("gpu-check: no CUDA device (--smoke runs the script's small version on CPU)")
     try:
         import triton
         triton_version = triton.__version__
     except ImportError:
         triton_version = "missing"
-    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-               "transformers": transformers.__version__, "triton": triton_version}
-    part(results, "tests", deadline, lambda: run_tests(int(max(60, min(240, deadline - time.monotonic())))))
+    results = {"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
+               "transformers": transformers.__version__, "triton": triton_version, "smoke": args.smoke}
+    if args.smoke:
+        results["tests"] = {"skipped": "--smoke"}
+    else:
+        part(results, "tests", deadline, lambda: run_tests(int(max(60, min(240, deadline - time.monotonic())))))
 
     from pipeline.models import load_target
 
-    target = load_target("smollm2_135m", device="cuda", dtype="bfloat16")
+    results["dtype"] = "bfloat16" if cuda else "float32"
+    target = load_target("smollm2_135m", device="cuda" if cuda else "cpu", dtype=results["dtype"])
     source = lambda path, name: ("file", path) if path else (name, None)
+    new_tokens, batch, limit = (8, 2, 2) if args.smoke else (args.max_new_tokens, args.batch, None)
     part(results, "decode", deadline, lambda: decode_part(
-        target, conversations(*source(args.mtbench, "mtbench"), per_category=1), args.max_new_tokens))
-    part(results, "verify", deadline, lambda: verify_part(target))
+        target, conversations(*source(args.mtbench, "mtbench"), per_category=1, limit=limit), new_tokens, cuda))
+    part(results, "verify", deadline, lambda: verify_part(target, cuda, WIDTHS[:3] if args.smoke else WIDTHS))
     part(results, "batch", deadline, lambda: batch_part(
-        target, conversations(*source(args.sharegpt, "sharegpt"), limit=args.batch), args.batch, 256))
+        target, conversations(*source(args.sharegpt, "sharegpt"), limit=2 * batch), batch, 2 * new_tokens, cuda))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "gpu_check.json").write_text(json.dumps(results, indent=2, default=str) + "\n")

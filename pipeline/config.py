@@ -22,6 +22,7 @@ METHODS = ("ngram", "draft_model", "medusa", "eagle", "early_exit")
 HEAD_KINDS = METHODS[2:]
 DATA_SOURCES = ("sharegpt", "mtbench", "file")
 SPLITS = ("train", "eval", "all")
+FAST_PATH = ("auto", "on", "off")
 LOGGERS = ("none", "wandb")
 
 
@@ -42,6 +43,13 @@ def _check_finite(node: str, obj) -> None:
         value = getattr(obj, f.name)
         if isinstance(value, float) and not math.isfinite(value):
             raise ValueError(f"{node}.{f.name} must be a finite number, got {value}")
+
+
+def fast_path(setting: str, device_type: str) -> tuple[bool, bool]:
+    """(decode on the fast path, replay its forwards from CUDA graphs) for a `cuda_graphs`
+    setting (auto, on, off) on this device type."""
+    fast = setting == "on" or (setting == "auto" and device_type == "cuda")
+    return fast, fast and device_type == "cuda"
 
 
 def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
@@ -143,6 +151,10 @@ class GenerateConfig:
     overwrite: bool = False
     """Start over when the run folder holds a generate stage with a different config (a finished one
     stays in place until the new one is complete)."""
+    cuda_graphs: str = "auto"
+    """The decoder's fast path (see eval.cuda_graphs) with continuous batching: batch_size rows
+    decode at once, a row whose answer ended takes the next prompt. auto: on CUDA; on: also on
+    CPU (no graphs); off: our batched plain decoder, whose batch shrinks as rows finish."""
 
     def __post_init__(self) -> None:
         _check_finite("generate", self)
@@ -154,6 +166,7 @@ class GenerateConfig:
             raise ValueError(f"generate.top_p must be in (0, 1], got {self.top_p}")
         if self.save_topk_logits < 0:
             raise ValueError(f"generate.save_topk_logits must be >= 0, got {self.save_topk_logits}")
+        _check_choice("generate.cuda_graphs", self.cuda_graphs, FAST_PATH)
         if not 0.0 <= self.target_answers <= 1.0:
             raise ValueError(f"generate.target_answers must be in [0, 1], got {self.target_answers}")
 
@@ -244,17 +257,14 @@ class EvalConfig:
             raise ValueError(f"eval.confidence_threshold must be in [0, 1), got {self.confidence_threshold}")
         if self.ngram_min > self.ngram_max:
             raise ValueError("eval.ngram_min must be <= eval.ngram_max")
-        if self.cuda_graphs not in ("auto", "on", "off"):
-            raise ValueError(f"eval.cuda_graphs must be auto, on or off, got {self.cuda_graphs!r}")
+        _check_choice("eval.cuda_graphs", self.cuda_graphs, FAST_PATH)
 
     @property
     def fixed_num_draft_tokens(self) -> Optional[int]:
         return None if self.num_draft_tokens == "auto" else int(self.num_draft_tokens)
 
     def fast_path(self, device_type: str) -> tuple[bool, bool]:
-        """(decode on the fast path, replay its forwards from CUDA graphs) on this device."""
-        fast = self.cuda_graphs == "on" or (self.cuda_graphs == "auto" and device_type == "cuda")
-        return fast, fast and device_type == "cuda"
+        return fast_path(self.cuda_graphs, device_type)
 
 
 @dataclass

@@ -36,12 +36,14 @@ from typing import Callable, Optional
 import torch
 from tqdm.auto import tqdm
 
-from pipeline.config import Config
+from pipeline.config import Config, fast_path
 from pipeline.data.chat import (
     ANSWER_SENTINEL, encode, eos_token_ids, first_prompt_ids, load_chat_data, next_turn_ids,
 )
 from pipeline.data.sources import Conversation, check_file
 from pipeline.decode.decoder import plain_decode
+from pipeline.decode.fast import continuous_decode
+from pipeline.decode.static_kv import StaticModel, use_static_attention
 from pipeline.distributed import process_state
 from pipeline.errors import PipelineError
 from pipeline.models import Target, load_target
@@ -68,6 +70,7 @@ def generate_answers(
     batch_size: int,
     topk: int = 0,
     on_batch: Optional[Callable[[int, int], None]] = None,
+    fast: Optional[StaticModel] = None,
 ) -> tuple[list[list[int]], list[Optional[tuple[torch.Tensor, torch.Tensor]]]]:
     """The target's answer to each context (ending at its end-of-turn token, if it gave one),
     longest contexts batched together; with topk > 0 also the target's top-k logits at each
@@ -77,11 +80,22 @@ def generate_answers(
     contract (temperature and top-p only) and gives transformers' batched generate's greedy
     outputs, faster (`make bench-generate` compares them): its key/value cache is written in
     place, and a finished row leaves the batch instead of decoding padding until the longest
-    answer ends.
+    answer ends. With `fast` (generate.cuda_graphs) the fast path decodes them instead, with
+    continuous batching: batch_size rows at a time, a finished row refilled from the queue.
     """
     order = sorted(range(len(contexts)), key=lambda i: len(contexts[i]), reverse=True)
     answers: list[list[int]] = [[] for _ in contexts]
     scores: list[Optional[tuple[torch.Tensor, torch.Tensor]]] = [None for _ in contexts]
+    if fast is not None:
+        done = (lambda _, tokens: on_batch(1, len(tokens))) if on_batch else None
+        out = continuous_decode(fast, [contexts[i] for i in order], batch_size=batch_size,
+                                max_new_tokens=max_new_tokens, eos_ids=eos_ids, temperature=temperature,
+                                top_p=top_p, topk=topk, on_done=done)
+        for row, i in enumerate(order):
+            answers[i] = out.tokens[row]
+            if topk:
+                scores[i] = (out.topk_ids[row], out.topk_logits[row])
+        return answers, scores
     for start in range(0, len(order), batch_size):
         idx = order[start : start + batch_size]
         out = plain_decode(model, [contexts[i] for i in idx], max_new_tokens=max_new_tokens, eos_ids=eos_ids,
@@ -154,6 +168,7 @@ def regenerate(
     topk: int = 0,
     progress: Optional[Callable[[int, int], None]] = None,
     dropped: Optional[Counter] = None,
+    fast: Optional[StaticModel] = None,
 ) -> list[dict]:
     """Regenerate every turn of `conversations`; one row per conversation.
 
@@ -200,6 +215,7 @@ def regenerate(
         answers_of_target, scores_of_target = generate_answers(
             model, [contexts[j] for j in regen], max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
             pad_id=tokenizer.pad_token_id, eos_ids=eos_ids, batch_size=batch_size, topk=topk, on_batch=progress,
+            fast=fast,
         ) if regen else ([], [])
         for j, answer, score in zip(regen, answers_of_target, scores_of_target):
             generated[j] = answer
@@ -250,7 +266,7 @@ def features(topk: int):
 def plan_key(cfg: Config, fingerprint: str) -> dict:
     """What decides the shards' content: a run folder resumes only under the same plan."""
     gen = dataclasses.asdict(cfg.generate)
-    for free in ("batch_size", "overwrite"):  # safe to change between restarts
+    for free in ("batch_size", "overwrite", "cuda_graphs"):  # safe to change between restarts
         gen.pop(free)
     if gen["target_answers"] == 1.0:  # the default: keeps plans (and run folders) from before the option
         gen.pop("target_answers")
@@ -276,6 +292,11 @@ def run(cfg: Config) -> Path:
     target = load_target(**dataclasses.asdict(cfg.target))
     fingerprint = target.fingerprint()
     plan = plan_key(cfg, fingerprint)
+    fast, graphs = fast_path(cfg.generate.cuda_graphs, target.device.type)
+    static = None
+    if fast:
+        use_static_attention(target.model)
+        static = StaticModel(target.model, graphs)
     if state.is_main_process:
         claim = claim_stage(out, STAGE, plan, overwrite=cfg.generate.overwrite,
                             started=lambda folder: any((folder / "shards").glob("shard-*")))
@@ -330,6 +351,7 @@ def run(cfg: Config) -> Path:
             target, shards[s], max_new_tokens=gen.max_new_tokens, temperature=gen.temperature, top_p=gen.top_p,
             batch_size=gen.batch_size, max_length=gen.max_length, max_turns=max_turns,
             target_answers=gen.target_answers, topk=gen.save_topk_logits, progress=progress, dropped=dropped,
+            fast=static,
         )
         if gen.save_topk_logits:
             scored = [r for r in rows if r["answers"] == "source"]

@@ -21,7 +21,7 @@ greedy decoding, sampling is distributed as the target's.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -94,3 +94,86 @@ def fast_decode(
                 done[r] = True
                 active[r] = False
     return DecodeResult(rows.out, rows.passes, proposed_at, accepted_at)
+
+
+@torch.inference_mode()
+def continuous_decode(
+    target: StaticModel, prompts: list[list[int]], *, batch_size: int, max_new_tokens: int, eos_ids: set[int],
+    temperature: float = 0.0, top_p: float = 1.0, generator: Optional[torch.Generator] = None, topk: int = 0,
+    refill_fraction: float = 0.25, on_done: Optional[Callable[[int, list[int]], None]] = None,
+) -> DecodeResult:
+    """Plain decoding of many prompts through a fixed batch of rows (continuous batching): a row
+    whose answer ended takes the next prompt from the queue instead of the batch shrinking, so
+    every step is the same captured forward at full width.
+
+    Free rows are refilled together once `refill_fraction` of the batch is free (or nothing
+    else is decoding): their prompts are prefilled in one forward and copied into their
+    cache slots. topk > 0 keeps the target's top-k logits at every emitted token, as
+    plain_decode does. on_done(prompt index, its tokens) is called as each answer ends.
+    """
+    n, b = len(prompts), min(batch_size, len(prompts))
+    target.ready(b, max(map(len, prompts)) + max_new_tokens + 2)
+    device = target.device
+    seqs = Sequences(torch.zeros((b, target.max_len), dtype=torch.long, device=device),
+                     torch.ones(b, dtype=torch.long, device=device))
+    owner = [-1] * b  # the prompt each row decodes (-1: free)
+    out: list[list[int]] = [[] for _ in prompts]
+    top: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in prompts]
+    queue = list(range(n))[::-1]  # popped from the end: prompts in order
+    logits = torch.zeros((b, target.model.config.vocab_size), device=device, dtype=target.dtype)
+    alive = torch.zeros(b, dtype=torch.bool, device=device)
+    step, chunk, positions, start = target.replay(1)
+
+    def refill(rows: list[int]) -> None:
+        taken = [queue.pop() for _ in rows[: len(queue)]]
+        rows = rows[: len(taken)]
+        index = torch.tensor(rows, device=device)
+        lengths = torch.tensor([len(prompts[i]) for i in taken], device=device)
+        padded = torch.zeros((len(rows), int(lengths.max())), dtype=torch.long)
+        for j, i in enumerate(taken):
+            padded[j, : len(prompts[i])] = torch.tensor(prompts[i], dtype=torch.long)
+            owner[rows[j]] = i
+        padded = padded.to(device)
+        seqs.tokens[index, : padded.shape[1]] = padded
+        seqs.lengths[index] = lengths
+        logits[index] = target.prefill_rows(index, padded, lengths).to(logits.dtype)
+        alive[index] = True
+
+    refill(list(range(b)))
+    while any(o >= 0 for o in owner):
+        drawn = next_token(logits, temperature, top_p, generator)  # [B]
+        if topk:
+            values, ids = logits.float().topk(topk, dim=-1)  # [B, k]
+            values, ids = values.cpu(), ids.to(torch.int32).cpu()
+        seqs.tokens.scatter_(1, seqs.lengths[:, None], drawn[:, None])
+        seqs.lengths += alive
+        free = []
+        for r, token in enumerate(drawn.tolist()):  # the step's one sync
+            i = owner[r]
+            if i < 0:
+                continue
+            out[i].append(token)
+            if topk:
+                top[i].append((ids[r], values[r]))
+            if token in eos_ids or len(out[i]) >= max_new_tokens:
+                owner[r] = -1
+                free.append(r)
+                if on_done is not None:
+                    on_done(i, out[i])
+        if free:
+            alive[torch.tensor(free, device=device)] = False
+        if not any(o >= 0 for o in owner) and not queue:
+            break
+        if any(o >= 0 for o in owner):  # the next token's logits of every row still decoding
+            start.copy_(seqs.lengths - 1)
+            positions.copy_(start[:, None])
+            chunk.copy_(seqs.tokens.gather(1, start[:, None]))
+            logits.copy_(step()[:, -1])
+        empty = [r for r in range(b) if owner[r] < 0]
+        if queue and empty and (len(empty) >= refill_fraction * b or len(empty) == b):
+            refill(empty)
+    result = DecodeResult(out, [len(o) for o in out])
+    if topk:
+        result.topk_ids = [torch.stack([i for i, _ in row]) for row in top]
+        result.topk_logits = [torch.stack([v for _, v in row]) for row in top]
+    return result

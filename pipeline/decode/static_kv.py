@@ -170,10 +170,26 @@ class StaticModel:
     def prefill(self, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         """Cache each row's first lengths[b] >= 1 tokens of tokens [B, T] (rows right-padded); the
         logits after each row's last one. [B, V]"""
+        return prefill(self.model, self.cache, tokens, lengths)
+
+    def prefill_rows(self, rows: torch.Tensor, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """`prefill` for some rows of the batch (rows [n], their tokens [n, T], lengths [n]): computed
+        in a cache of their own, then copied into those rows' slots. [n, V]"""
         width = int(lengths.max())
-        positions = torch.arange(width, device=self.device).expand(self.batch, width)
-        last = lengths - 1
-        keep = torch.unique(last)  # the rows' last positions, each once
-        step = StaticStep(self.cache, torch.zeros(self.batch, dtype=torch.long, device=self.device))
-        logits = static_forward(self.model, tokens[:, :width], positions, step, logits_to_keep=keep).logits
-        return logits[torch.arange(self.batch, device=self.device), torch.searchsorted(keep, last)]
+        scratch = StaticCache(self.model, rows.shape[0], width, self.device, self.dtype)
+        logits = prefill(self.model, scratch, tokens[:, :width], lengths)
+        for mine, theirs in zip((*self.cache.keys, *self.cache.values), (*scratch.keys, *scratch.values)):
+            mine[rows, :, :width] = theirs
+        return logits
+
+
+def prefill(model, cache: StaticCache, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """Cache each row's first lengths[b] >= 1 tokens of tokens [B, T] (right-padded) from slot 0;
+    the logits after each row's last one. [B, V]"""
+    b, width = tokens.shape[0], int(lengths.max())
+    positions = torch.arange(width, device=tokens.device).expand(b, width)
+    last = lengths - 1
+    keep = torch.unique(last)  # the rows' last positions, each once
+    step = StaticStep(cache, torch.zeros(b, dtype=torch.long, device=tokens.device))
+    logits = static_forward(model, tokens[:, :width], positions, step, logits_to_keep=keep).logits
+    return logits[torch.arange(b, device=tokens.device), torch.searchsorted(keep, last)]

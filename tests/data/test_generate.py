@@ -161,6 +161,19 @@ def test_stage_writes_dataset_topk_logits_and_manifest(tiny, tiny_target_dir, ch
         assert bool(((want_ids[:, 0].numpy() == tokens) | (gap.numpy() < 1e-5)).all())
 
 
+def test_the_fast_path_with_continuous_batching_writes_the_same_dataset(tiny_target_dir, chat_file, tmp_path):
+    """generate.cuda_graphs=on (the fast path's static code on CPU, rows refilled from the queue)
+    regenerates the same answers and top-k ids as our batched plain decoder (off)."""
+    datasets_by = {}
+    for mode in ("off", "on"):
+        cfg = compose_config(*stage_overrides(tiny_target_dir, chat_file, tmp_path / mode, "generate.save_topk_logits=4",
+                                              "generate.batch_size=3", f"generate.cuda_graphs={mode}"))
+        datasets_by[mode] = datasets.load_from_disk(str(generate.run(cfg) / "dataset"))
+    off, on = datasets_by["off"], datasets_by["on"]
+    assert on["id"] == off["id"] and on["input_ids"] == off["input_ids"] and on["loss_mask"] == off["loss_mask"]
+    assert on["topk_ids"] == off["topk_ids"]
+
+
 def test_stage_rerun_is_a_no_op_and_a_changed_config_is_refused(tiny_target_dir, chat_file, tmp_path):
     overrides = stage_overrides(tiny_target_dir, chat_file, tmp_path)
     out = generate.run(compose_config(*overrides))

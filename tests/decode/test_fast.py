@@ -12,7 +12,7 @@ import torch
 from conftest import tiny_llama
 from pipeline.decode import plain_decode
 from pipeline.decode.draft_model import FastModelDrafter
-from pipeline.decode.fast import fast_decode
+from pipeline.decode.fast import continuous_decode, fast_decode
 from pipeline.decode.ngram import FastNgramDrafter
 from pipeline.decode.prepare import restrict_vocabulary
 from pipeline.decode.static_kv import Replay, StaticCache, StaticModel, use_static_attention
@@ -152,3 +152,24 @@ def test_static_cache_moves_a_path_of_slots_per_row():
     for layer in (*cache.keys, *cache.values):
         assert layer[0, 0, :, 0].tolist() == [0, 1, 2, 4, 5, 5, 6, 7, 8, 9]
         assert layer[1, 1, :, 0].tolist() == [0, 1, 2, 3, 4, 5, 6, 9, 8, 9]
+
+
+def test_continuous_batching_answers_every_prompt_once_as_plain_decoding_does(target_and_plain):
+    """11 prompts through 3 rows: every prompt's answer (and its top-k logits) is plain
+    decoding's, each reported once, and rows are refilled rather than the batch shrinking."""
+    target, _ = target_and_plain
+    prompts = [PROMPTS[i % 3][: 2 + i % 5] + [i % 7 + 1] for i in range(11)]
+    max_new, eos = 14, 22  # ends some answers early
+    fresh = tiny_llama(0)
+    done = []
+    fast = StaticModel(target, graphs=False)
+    out = continuous_decode(fast, prompts, batch_size=3, max_new_tokens=max_new, eos_ids={eos}, topk=4,
+                            on_done=lambda i, tokens: done.append(i))
+    for i, p in enumerate(prompts):
+        want = plain_decode(fresh, [p], max_new_tokens=max_new, eos_ids={eos}, pad_id=0, topk=4)
+        assert out.tokens[i] == want.tokens[0], i
+        assert torch.equal(out.topk_ids[i], want.topk_ids[0])
+        torch.testing.assert_close(out.topk_logits[i], want.topk_logits[0], atol=1e-4, rtol=1e-4)
+    assert sorted(done) == list(range(11))
+    assert any(len(t) < max_new for t in out.tokens)  # some answers ended at the end-of-turn token
+    assert fast.batch == 3
