@@ -193,6 +193,11 @@ class EvalConfig:
     """Conversations (every turn) the sweep runs on; the chosen value then runs on all of them."""
     batch_size: int = 1
     """Prompts decoded together (speed is reported per batch size; 1 is the standard)."""
+    batch_sizes: list[int] = field(default_factory=list)
+    """Also measure every method (at its chosen k) and plain decoding at each of these batch
+    sizes, e.g. [1,4,16,64]: speedup over plain by batch size, in the report and a plot
+    (speculation pays at small batches and fades at large ones). A batch holds at most the
+    conversations there are."""
     draft: Optional[str] = None
     """Another draft model folder (save_pretrained, same vocabulary) to measure as draft_model."""
     bundle: Optional[str] = None
@@ -247,6 +252,8 @@ class EvalConfig:
             _check_positive(f"eval.{name}", getattr(self, name))
         if not self.sweep or min(self.sweep) < 1:
             raise ValueError(f"eval.sweep needs positive values, got {self.sweep}")
+        if self.batch_sizes and min(self.batch_sizes) < 1:
+            raise ValueError(f"eval.batch_sizes needs positive values, got {self.batch_sizes}")
         if not self.tree_budgets or min(self.tree_budgets) < 1:
             raise ValueError(f"eval.tree_budgets needs positive values, got {self.tree_budgets}")
         _check_positive("eval.tree_depth", self.tree_depth)

@@ -241,10 +241,9 @@ class Divergence:
     turn: int
     position: int
     tie: bool
-    """The target's two best logits at the first differing position are equal within 1e-4."""
+    """The target's two best logits at the first differing position are closer than tie_epsilon."""
 
 
-@torch.inference_mode()
 def tie_epsilon(dtype: torch.dtype) -> float:
     """The top-2 logit gap below which two greedy decoders of the same model may disagree: forwards
     of different widths round differently, by float32 noise, or by a few bf16/fp16 units at
@@ -252,6 +251,7 @@ def tie_epsilon(dtype: torch.dtype) -> float:
     return {torch.bfloat16: 0.25, torch.float16: 0.05}.get(dtype, 1e-4)
 
 
+@torch.inference_mode()
 def greedy_divergences(model, reference: Measurement, other: Measurement,
                        epsilon: Optional[float] = None) -> list[Divergence]:
     """Where `other`'s greedy outputs differ from `reference`'s (later turns of a diverged

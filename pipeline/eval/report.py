@@ -78,6 +78,16 @@ def markdown(report: dict[str, Any]) -> str:
             lines.append(f"| {row['num_draft_tokens']} | {_fmt(row['tau'])} | {row['proposal_rate']:.2f} | "
                          f"{row['tokens_per_s']:.2f} | {row['speedup_vs_plain']:.2f}x | "
                          f"{_fmt(row['predicted_speedup'])}{'x' if row['predicted_speedup'] else ''} |")
+    by_size = report.get("by_batch_size") or {}
+    if by_size:
+        sizes = sorted(by_size, key=int)
+        names = list(by_size[sizes[0]])
+        lines += ["", "Tokens/s (speedup over plain at the same batch size) by batch size:", "",
+                  "| method | " + " | ".join(f"batch {b}" for b in sizes) + " |", "|---|" + "---:|" * len(sizes)]
+        for name in names:
+            cells = [f"{by_size[b][name]['tokens_per_s']:.1f} ({by_size[b][name]['speedup_vs_plain']:.2f}x)"
+                     for b in sizes]
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
     costs = report["costs"]
     lines += ["", "Costs (median forward time, relative to one target forward of one token, "
                   f"{costs['target_forward_s'] * 1000:.1f} ms):",
@@ -138,6 +148,22 @@ def plots(report: dict[str, Any], out: Path) -> dict[str, Path]:
     if names:
         ax.legend()
     made["per_category"] = _save(fig, out / "per_category.png")
+
+    by_size = report.get("by_batch_size") or {}
+    if by_size:
+        sizes = sorted(by_size, key=int)
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for name in [n for n in by_size[sizes[0]] if n != "plain"]:
+            ax.plot([int(b) for b in sizes], [by_size[b][name]["speedup_vs_plain"] for b in sizes], marker="o",
+                    label=name)
+        ax.axhline(1.0, color="gray", linewidth=1)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks([int(b) for b in sizes], sizes)
+        ax.set(xlabel="batch size", ylabel="speedup over plain decoding (same batch size)",
+               title=f"Speedup vs batch size: {title}")
+        ax.grid(alpha=0.3)
+        ax.legend()
+        made["speedup_vs_batch_size"] = _save(fig, out / "speedup_vs_batch_size.png")
     return made
 
 

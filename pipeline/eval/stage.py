@@ -245,10 +245,11 @@ def run(cfg: Config) -> Path:
     def method(drafter: str, k: Optional[int] = None, draft=None) -> Method:
         return Method(make_decode(drafter, settings, k, draft), drafter, k)
 
-    def run_methods(methods: dict[str, Method], conversations, max_turns, desc: str) -> dict[str, Measurement]:
+    def run_methods(methods: dict[str, Method], conversations, max_turns, desc: str,
+                    batch_size: int = ev.batch_size) -> dict[str, Measurement]:
         turns = sum(min(len(c.user_turns), max_turns or 99) for c in conversations)
         with tqdm(total=turns * len(methods), desc=desc, unit="turn", dynamic_ncols=True) as bar:
-            results = measure(methods, conversations, settings, batch_size=ev.batch_size, max_turns=max_turns,
+            results = measure(methods, conversations, settings, batch_size=batch_size, max_turns=max_turns,
                               on_step=bar.update)
         for name, m in results.items():
             tau = f"{m.total.tau:.2f}" if m.total.tau else "–"
@@ -298,6 +299,14 @@ def run(cfg: Config) -> Path:
             final[hf_names[name]] = method(HF_EQUIVALENT[drafter], chosen[name], hf_drafts.get(name))
     results = run_methods(final, convs, cfg.data.max_turns, "eval")
     plain, hf = results["plain"], results["hf_generate"]
+    by_batch_size = {}
+    for size in ev.batch_sizes:
+        ours = {name: m for name, m in final.items() if name != "hf_generate" and name not in hf_names.values()}
+        measured = run_methods(ours, convs, cfg.data.max_turns, f"eval batch {size}", batch_size=size)
+        base = measured["plain"].total.tokens_per_s
+        by_batch_size[str(size)] = {name: dict(tokens_per_s=m.total.tokens_per_s, tau=m.total.tau,
+                                               speedup_vs_plain=m.total.tokens_per_s / base)
+                                    for name, m in measured.items()}
 
     methods = {"plain": {**summary(plain, plain, hf), "drafter": "none", "lossless": True}}
     hf_methods = {}
@@ -331,7 +340,7 @@ def run(cfg: Config) -> Path:
                        hf_generate=dict(tokens_per_s=hf.total.tokens_per_s, tokens=hf.total.tokens,
                                         seconds=hf.total.seconds,
                                         **losslessness(target.model, plain, hf, greedy, "hf_generate"))),
-        methods=methods, sweeps=sweeps, hf_methods=hf_methods, costs=costs.report(),
+        methods=methods, sweeps=sweeps, hf_methods=hf_methods, costs=costs.report(), by_batch_size=by_batch_size,
         skipped_records=dict(data.skipped),
     )
     images = write_report(report, out)

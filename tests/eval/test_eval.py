@@ -100,6 +100,21 @@ def test_the_fast_path_on_cpu_measures_lossless_methods(tiny_target_dir, draft_d
     assert set(report["sweeps"]) == {"ngram", "draft_model"}
 
 
+def test_batch_sizes_measure_every_method_at_each_size(tiny_target_dir, draft_dir, prompts_file, tmp_path):
+    cfg = compose_config(*eval_overrides(tiny_target_dir, prompts_file, tmp_path, f"eval.draft={draft_dir}",
+                                         "eval.num_draft_tokens=2", "eval.batch_sizes=[1,4]"), stage="eval")
+    out = evaluation.run(cfg)
+    report = json.loads((out / "report.json").read_text())
+    assert set(report["by_batch_size"]) == {"1", "4"}
+    for size in ("1", "4"):
+        assert set(report["by_batch_size"][size]) == {"plain", "ngram", "draft_model"}
+        assert report["by_batch_size"][size]["plain"]["speedup_vs_plain"] == 1.0
+        assert all(m["tokens_per_s"] > 0 for m in report["by_batch_size"][size].values())
+    with Image.open(out / "speedup_vs_batch_size.png") as image:
+        assert image.format == "PNG"
+    assert "| method | batch 1 | batch 4 |" in (out / "report.md").read_text()
+
+
 def test_sampling_eval_reports_no_greedy_check(tiny_target_dir, draft_dir, prompts_file, tmp_path):
     cfg = compose_config(*eval_overrides(tiny_target_dir, prompts_file, tmp_path, f"eval.draft={draft_dir}",
                                          "eval.temperature=0.8", "eval.num_draft_tokens=2"), stage="eval")
