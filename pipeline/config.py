@@ -235,9 +235,10 @@ class EvalConfig:
     cuda_graphs: str = "auto"
     """Our decoder's fast path (pipeline/decode/fast.py: static KV caches, fixed shapes, fused
     acceptance, every target and draft forward replayed from a captured CUDA graph) for plain
-    decoding and the chains of ngram and draft_model. auto: on CUDA devices, the CPU path
-    elsewhere; on: also on CPU (the same static code, without graphs); off: the CPU path's
-    decoder everywhere. Methods without a fast path yet (heads, trees) keep the CPU path's."""
+    decoding and every chain (ngram, draft_model, medusa, eagle, early_exit). auto: on CUDA
+    devices, the CPU path elsewhere; on: also on CPU (the same static code, without graphs);
+    off: the CPU path's decoder everywhere. Greedy Medusa trees too; EAGLE's trees and sampled
+    trees keep the CPU path's decoder for now."""
     decode_layout: bool = True
     """On CPU, our decoder runs few-row inputs of every linear layer through a small-batch
     product (pipeline/kernels/linear.py) and grouped-query attention without copying the cache

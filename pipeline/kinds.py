@@ -3,9 +3,9 @@
     kind         trained by   a bundle holds             trees  int8 on CPU  fast path (CUDA)
     ngram        -            nothing (settings only)    -      -            yes
     draft_model  distill      draft/  (HF folder)        -      yes          yes
-    medusa       heads        heads/  + medusa/          yes    yes          - (not yet)
-    eagle        heads        heads/  + eagle3/, speculators/  yes  - (its features feed back)  - (not yet)
-    early_exit   heads        heads/                     -      - (mostly the target's layers)  - (not yet)
+    medusa       heads        heads/  + medusa/          yes    yes          yes (greedy trees)
+    eagle        heads        heads/  + eagle3/, speculators/  yes  - (its features feed back)  chains
+    early_exit   heads        heads/                     -      - (mostly the target's layers)  yes
 
 Adding a kind touches this table and one drafter module in pipeline/decode/. The names come
 from pipeline.config (METHODS), which validates what users choose; a test checks they agree.
@@ -76,6 +76,8 @@ class Kind:
     fast: Optional[Callable[[Any, Any, DraftOptions], Any]] = None
     """Like `drafter`, for the fast path's chains (static caches, fixed shapes); None: the kind
     decodes on the CPU path's decoder even where the fast path is on."""
+    fast_trees: bool = False
+    """Its fast drafter also proposes greedy token trees on the fast path."""
 
     def trained_folder(self, runs_dir: str | Path, run: str) -> Path:
         if self.trained_by == "distill":
@@ -111,6 +113,31 @@ def _fast_draft_model(module, target, o: DraftOptions):
     from pipeline.decode.draft_model import FastModelDrafter
 
     return FastModelDrafter(module, o.temperature, o.top_p, o.generator,
+                            confidence_threshold=o.confidence_threshold, graphs=o.graphs)
+
+
+def _fast_medusa(module, target, o: DraftOptions):
+    from pipeline.decode.medusa import FastMedusaDrafter
+
+    return FastMedusaDrafter(module, target.config.vocab_size, o.temperature, o.top_p, o.generator,
+                             choices=o.medusa_choices)
+
+
+def _fast_eagle(module, target, o: DraftOptions):
+    from pipeline.decode.eagle import FastEagleDrafter
+
+    return FastEagleDrafter(module, target.config.vocab_size, o.temperature, o.top_p, o.generator,
+                            confidence_threshold=o.confidence_threshold, graphs=o.graphs)
+
+
+def _fast_early_exit(module, target, o: DraftOptions):
+    from pipeline.decode.draft_model import FastModelDrafter
+    from pipeline.decode.static_kv import use_static_attention
+    from pipeline.heads.models import early_exit_model
+
+    draft = early_exit_model(target, module)  # shares the target's first layers (and their attention setting)
+    use_static_attention(draft)
+    return FastModelDrafter(draft, o.temperature, o.top_p, o.generator, name="early_exit",
                             confidence_threshold=o.confidence_threshold, graphs=o.graphs)
 
 
@@ -170,13 +197,14 @@ KINDS: dict[str, Kind] = {
                         fast=_fast_draft_model),
     "medusa": Kind("medusa", "heads", _medusa, load=_load_heads, bundle_folder="heads", trees=True, int8=True,
                    describe="Medusa heads on the target's own hidden states",
-                   settings=("medusa_num_heads", "medusa_num_layers"), formats=_medusa_formats),
+                   settings=("medusa_num_heads", "medusa_num_layers"), formats=_medusa_formats, fast=_fast_medusa,
+                   fast_trees=True),
     "eagle": Kind("eagle", "heads", _eagle, load=_load_heads, bundle_folder="heads", trees=True, stops_early=True,
                   describe="EAGLE head on the target's own hidden states", settings=("feature_layers", "ttt_steps"),
-                  formats=_eagle_formats),
+                  formats=_eagle_formats, fast=_fast_eagle),
     "early_exit": Kind("early_exit", "heads", _early_exit, load=_load_heads, bundle_folder="heads", stops_early=True,
                        describe="early-exit adapter on the target's own hidden states",
-                       settings=("exit_layer", "adapter_rank")),
+                       settings=("exit_layer", "adapter_rank"), fast=_fast_early_exit),
 }
 assert tuple(KINDS) == METHODS, "pipeline.config.METHODS and the registry list the same kinds"
 HEAD_KINDS = tuple(name for name, kind in KINDS.items() if kind.trained_by == "heads")

@@ -1,6 +1,6 @@
 """Our own lossless speculative decoder: plain decoding, chains from n-grams, draft models and
 heads, and token trees, greedy and sampling; and its fast path (fast.py: static caches, fixed
-shapes, CUDA graphs) for plain decoding and the chains of n-grams and draft models. Module
+shapes, CUDA graphs) for plain decoding and every chain. Module
 order (each imports only those before it, and pipeline/kernels): types, kv, static_kv,
 sampling, chain, ngram / draft_model / medusa / eagle, prepare, decoder, fast, tree."""
 

@@ -80,6 +80,8 @@ class FastModelDrafter:
     the draft still runs k steps, the target verifies only the confident prefix's matches.
     """
 
+    feature_layers = ()
+
     def __init__(self, model, temperature: float = 0.0, top_p: float = 1.0,
                  generator: Optional[torch.Generator] = None, name: str = "draft_model",
                  confidence_threshold: float = 0.0, graphs: bool = False):
@@ -98,12 +100,12 @@ class FastModelDrafter:
             self.static.prefill(seqs.tokens, cached.clamp(min=1))
 
     def propose(self, seqs: Sequences, num_draft_tokens: int) -> Proposal:
-        first, tokens, positions, start = self.static.replay(2, logits_to_keep=1)
-        start.copy_(seqs.lengths - 2)
-        positions.copy_(start[:, None] + torch.arange(2, device=self.device))
-        tokens.copy_(seqs.tokens.gather(1, positions))
+        first, two = self.static.replay(2, logits_to_keep=1)
+        two.start.copy_(seqs.lengths - 2)
+        two.positions.copy_(two.start[:, None] + torch.arange(2, device=self.device))
+        two.tokens.copy_(seqs.tokens.gather(1, two.positions))
         logits = first()[:, -1]
-        step, token1, position1, start1 = self.static.replay(1, logits_to_keep=1)
+        step, one = self.static.replay(1, logits_to_keep=1)
         drawn, probs = [], []
         going = torch.ones(seqs.tokens.shape[0], dtype=torch.bool, device=self.device)
         num = torch.zeros_like(seqs.lengths)
@@ -115,9 +117,9 @@ class FastModelDrafter:
             if self.confidence_threshold > 0:
                 going &= confidence(logits, token, q) >= self.confidence_threshold
             if i < num_draft_tokens - 1:
-                token1.copy_(token[:, None])  # a target id: a draft vocabulary restricts only the LM head
-                start1.copy_(seqs.lengths + i)
-                position1.copy_(start1[:, None])
+                one.tokens.copy_(token[:, None])  # a target id: a draft vocabulary restricts only the LM head
+                one.start.copy_(seqs.lengths + i)
+                one.positions.copy_(one.start[:, None])
                 logits = step()[:, -1]
         return chain_proposal(drawn, probs, num)
 

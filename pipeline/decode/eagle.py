@@ -6,9 +6,10 @@ from typing import Optional
 
 import torch
 
-from pipeline.decode.chain import draft_chain
+from pipeline.decode.chain import chain_proposal, confidence, draft_chain, draw
 from pipeline.decode.kv import SlotCache
-from pipeline.decode.types import Proposal, TreeProposal
+from pipeline.decode.static_kv import StaticModel, StaticStep, static_forward, use_static_attention
+from pipeline.decode.types import Proposal, Sequences, TreeProposal
 
 
 class EagleDrafter:
@@ -138,3 +139,83 @@ class EagleDrafter:
     def select_rows(self, rows: torch.Tensor) -> None:
         self.kv.select_rows(rows)
         self.pending = [self.pending[i] for i in rows.tolist()]
+
+
+class FastEagleDrafter:
+    """An EAGLE head on the fast path: its own static cache, one catch-up forward of the target
+    positions the last pass kept (k+1 wide, fixed; replayed from a graph on CUDA) and k - 1
+    single-token steps feeding back its own features.
+
+    Head position t reads (target feature of t, token t+1); the head's cache holds every
+    position the target kept before the last pass. The catch-up writes the kept ones (and
+    stale fillers past them, which the next catch-up writes over, as it does the drafts)."""
+
+    name = "eagle"
+
+    def __init__(self, head, vocab_size: int, temperature: float = 0.0, top_p: float = 1.0,
+                 generator: Optional[torch.Generator] = None, confidence_threshold: float = 0.0,
+                 graphs: bool = False):
+        self.head, self.vocab_size = head, vocab_size
+        self.temperature, self.top_p, self.generator = temperature, top_p, generator
+        self.confidence_threshold = confidence_threshold
+        self.feature_layers = head.feature_layers
+        use_static_attention(head.decoder)
+        self.static = StaticModel(head, graphs)
+        self.size = head.config.hidden_size
+
+    def start(self, seqs: Sequences, max_len: int) -> None:
+        self.static.ready(seqs.tokens.shape[0], max_len)
+        self.pending = None
+
+    def observe(self, features: torch.Tensor, first: torch.Tensor, count: torch.Tensor) -> None:
+        self.pending = (features, first, count)
+
+    def _catch_up(self, seqs: Sequences) -> tuple[torch.Tensor, torch.Tensor]:
+        """Feed the pending target positions; the head's logits and output feature at the last
+        kept one of each row ([B, V_draft], [B, H])."""
+        features, first, count = self.pending
+        b, width = features.shape[:2]
+        columns = torch.arange(width, device=first.device)
+        positions = first[:, None] + columns
+        ids = seqs.tokens.gather(1, (positions + 1).clamp(max=seqs.tokens.shape[1] - 1))  # token t+1 at t
+        fused = self.head.fuse(features)
+        if width == self.width:  # a pass of the target: the captured catch-up
+            replay, inputs = self.static.replay(width, feature_width=self.size)
+            inputs.tokens.copy_(ids)
+            inputs.positions.copy_(positions)
+            inputs.start.copy_(first)
+            inputs.features.copy_(fused)
+            logits, hidden = replay()
+        else:  # the prompts, once per call
+            out = static_forward(self.head, ids, positions, StaticStep(self.static.cache, first), features=fused)
+            logits, hidden = out.logits, out.hidden
+        rows = torch.arange(b, device=first.device)
+        return logits[rows, count - 1], hidden[rows, count - 1]
+
+    def propose(self, seqs: Sequences, num_draft_tokens: int) -> Proposal:
+        self.width = num_draft_tokens + 1
+        logits, hidden = self._catch_up(seqs)
+        _, first, count = self.pending
+        step, one = self.static.replay(1, logits_to_keep=1, feature_width=self.size)
+        drawn, probs = [], []
+        going = torch.ones(seqs.tokens.shape[0], dtype=torch.bool, device=logits.device)
+        num = torch.zeros_like(seqs.lengths)
+        for i in range(num_draft_tokens):
+            token, q = draw(logits, self.temperature, self.top_p, self.generator, self.head.draft_to_target,
+                            self.vocab_size)
+            drawn.append(token)
+            probs.append(q)
+            num += going
+            if self.confidence_threshold > 0:
+                going &= confidence(logits, token, q) >= self.confidence_threshold
+            if i < num_draft_tokens - 1:
+                one.tokens.copy_(token[:, None])
+                one.start.copy_(first + count + i)
+                one.positions.copy_(one.start[:, None])
+                one.features.copy_(hidden[:, None])
+                logits, hidden = step()
+                logits, hidden = logits[:, -1], hidden[:, -1]
+        return chain_proposal(drawn, probs, num)
+
+    def accepted(self, seqs: Sequences, num_accepted: torch.Tensor) -> None:
+        pass  # the next catch-up writes over the drafted entries

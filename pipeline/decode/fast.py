@@ -46,15 +46,22 @@ def fast_decode(
     for row, p in enumerate(prompts):
         seqs.tokens[row, : len(p)] = torch.tensor(p, dtype=torch.long)
     rows = Rows(prompts, max_new_tokens, eos_ids)
-    first = next_token(target.prefill(seqs.tokens, seqs.lengths), temperature, top_p, generator)  # [B]
+    layers = tuple(getattr(drafter, "feature_layers", ()))  # target hidden states the drafter reads
+    out = target.prefill(seqs.tokens, seqs.lengths, layers)
+    logits, features = out if layers else (out, None)
+    first = next_token(logits, temperature, top_p, generator)  # [B]
+    prompt_lengths = seqs.lengths.clone()
     seqs.tokens.scatter_(1, seqs.lengths[:, None], first[:, None])
     seqs.lengths += 1
     done = [rows.emit(r, [t]) for r, t in enumerate(first.tolist())]
     if drafter is not None:
         drafter.start(seqs, target.max_len)
+    if features is not None:  # every prompt position, then each pass's kept ones
+        drafter.observe(features, torch.zeros_like(prompt_lengths), prompt_lengths)
     proposed_at, accepted_at = [0] * k, [0] * k
     active = torch.tensor([not d for d in done], device=device)
-    verify, chunk, positions, start = target.replay(k + 1)
+    verify, inputs = target.replay(k + 1, layers=layers)
+    chunk, positions, start = inputs.tokens, inputs.positions, inputs.start
     columns = torch.arange(k + 1, device=device)
     while not all(done):
         proposal = drafter.propose(seqs, k) if drafter is not None else None
@@ -67,7 +74,8 @@ def fast_decode(
         else:
             draft = chunk[:, 1:]
             num_proposed = torch.zeros(b, dtype=torch.long, device=device)
-        logits = verify()  # [B, k+1, V]
+        out = verify()  # logits [B, k+1, V] (and the drafter's features [B, k+1, F])
+        logits, features = out if layers else (out, None)
         if temperature == 0:
             num_accepted, new = accept_greedy(draft, num_proposed, logits)
         else:
@@ -81,6 +89,8 @@ def fast_decode(
         slots = (seqs.lengths[:, None] + columns).clamp(max=target.max_len - 1)
         seqs.tokens.scatter_(1, slots, emitted)
         seqs.lengths += (num_accepted + 1) * active
+        if features is not None:  # the target kept `last` and the accepted drafts
+            drafter.observe(features, start, num_accepted + 1)
         if drafter is not None:
             drafter.accepted(seqs, num_accepted)
         host = torch.cat([num_accepted[:, None], num_proposed[:, None], emitted], dim=1).tolist()  # the one sync
@@ -122,7 +132,8 @@ def continuous_decode(
     queue = list(range(n))[::-1]  # popped from the end: prompts in order
     logits = torch.zeros((b, target.model.config.vocab_size), device=device, dtype=target.dtype)
     alive = torch.zeros(b, dtype=torch.bool, device=device)
-    step, chunk, positions, start = target.replay(1)
+    step, inputs = target.replay(1)
+    chunk, positions, start = inputs.tokens, inputs.positions, inputs.start
 
     def refill(rows: list[int]) -> None:
         taken = [queue.pop() for _ in rows[: len(queue)]]

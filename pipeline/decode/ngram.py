@@ -82,6 +82,7 @@ class FastNgramDrafter:
     """Prompt lookup on the fast path: the same proposals as NgramDrafter, found on the device."""
 
     name = "ngram"
+    feature_layers = ()
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 2, temperature: float = 0.0, vocab_size: int = 0):
         self.max_ngram, self.min_ngram = max_ngram, min_ngram

@@ -22,6 +22,7 @@ from typing import Callable, Optional
 
 import torch
 
+from pipeline.decode.kv import with_hidden_states
 from pipeline.kernels.tree_attention import tree_attention
 
 ATTENTION = "specdraft_static"
@@ -50,6 +51,22 @@ class StaticCache:
         for cache in (*self.keys, *self.values):
             index = src.expand(b, cache.shape[1], count, cache.shape[3])
             cache.scatter_(2, dst.expand_as(index), cache.gather(2, index))
+
+
+@dataclass
+class Inputs:
+    """The static input buffers of one captured forward."""
+
+    tokens: torch.Tensor
+    """[B, W] token ids."""
+    positions: torch.Tensor
+    """[B, W] their positions."""
+    start: torch.Tensor
+    """[B] each row's first slot (its visible committed slots)."""
+    features: Optional[torch.Tensor] = None
+    """[B, W, F] a head's input features (EAGLE), when it reads any."""
+    tree: Optional[torch.Tensor] = None
+    """[W, W] bool ancestors among the new tokens (a token tree), when they are not a chain."""
 
 
 @dataclass
@@ -151,26 +168,48 @@ class StaticModel:
             return
         self.batch, self.max_len = batch, -(-max_len // SLACK) * SLACK
         self.cache = StaticCache(self.model, batch, self.max_len, self.device, self.dtype)
-        self.replays: dict[tuple[int, int], tuple[Replay, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self.replays: dict[tuple, tuple[Replay, Inputs]] = {}
 
-    def replay(self, width: int, logits_to_keep: int = 0):
-        """A forward of `width` tokens per row from static buffers: (replay -> logits [B, W', V],
-        tokens [B, W], positions [B, W], start [B]) where W' = logits_to_keep or W; fill the
-        buffers, then call the replay."""
-        key = (width, logits_to_keep)
+    def replay(self, width: int, logits_to_keep: int = 0, layers: tuple[int, ...] = (), feature_width: int = 0,
+               tree: bool = False):
+        """A forward of `width` tokens per row from static buffers, as (replay, its Inputs): fill
+        the inputs, then call the replay. It returns logits [B, W', V] (W' = logits_to_keep or
+        W), or (logits, extra) with extra the target's hidden states `layers` (output_hidden_states
+        indices) concatenated [B, W, n * H], or with feature_width > 0 (a head that reads
+        `features` [B, W, feature_width], as EAGLE's) the head's output features [B, W', H].
+        With `tree` the new tokens attend each other as Inputs.tree says (a token tree)."""
+        key = (width, logits_to_keep, layers, feature_width, tree)
         if key not in self.replays:
             tokens = torch.zeros((self.batch, width), dtype=torch.long, device=self.device)
-            positions = torch.zeros_like(tokens)
-            start = torch.zeros(self.batch, dtype=torch.long, device=self.device)
-            step = StaticStep(self.cache, start)
-            fn = lambda: static_forward(self.model, tokens, positions, step, logits_to_keep).logits
-            self.replays[key] = (Replay(fn, self.graphs, self.pool), tokens, positions, start)
+            inputs = Inputs(tokens, torch.zeros_like(tokens), torch.zeros(self.batch, dtype=torch.long, device=self.device),
+                            torch.zeros((self.batch, width, feature_width), dtype=self.dtype, device=self.device)
+                            if feature_width else None,
+                            torch.eye(width, dtype=torch.bool, device=self.device) if tree else None)
+            self.replays[key] = (Replay(self._forward(inputs, logits_to_keep, layers), self.graphs, self.pool), inputs)
         return self.replays[key]
 
-    def prefill(self, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    def _forward(self, inputs: Inputs, logits_to_keep: int, layers: tuple[int, ...]) -> Callable[[], object]:
+        step = StaticStep(self.cache, inputs.start, inputs.tree)
+        if inputs.features is not None:
+            def fn():
+                out = static_forward(self.model, inputs.tokens, inputs.positions, step, logits_to_keep,
+                                     features=inputs.features)
+                return out.logits, out.hidden
+        elif layers:
+            def fn():
+                out = static_forward(self.model, inputs.tokens, inputs.positions, step, logits_to_keep,
+                                     **with_hidden_states(layers))
+                return out.logits, torch.cat([out.hidden_states[i] for i in layers], dim=-1)
+        else:
+            def fn():
+                return static_forward(self.model, inputs.tokens, inputs.positions, step, logits_to_keep).logits
+        return fn
+
+    def prefill(self, tokens: torch.Tensor, lengths: torch.Tensor, layers: tuple[int, ...] = ()):
         """Cache each row's first lengths[b] >= 1 tokens of tokens [B, T] (rows right-padded); the
-        logits after each row's last one. [B, V]"""
-        return prefill(self.model, self.cache, tokens, lengths)
+        logits after each row's last one [B, V], and with `layers` the hidden states there
+        concatenated at every prompt position [B, P, n * H] (P: the longest)."""
+        return prefill(self.model, self.cache, tokens, lengths, layers)
 
     def prefill_rows(self, rows: torch.Tensor, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         """`prefill` for some rows of the batch (rows [n], their tokens [n, T], lengths [n]): computed
@@ -183,13 +222,15 @@ class StaticModel:
         return logits
 
 
-def prefill(model, cache: StaticCache, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    """Cache each row's first lengths[b] >= 1 tokens of tokens [B, T] (right-padded) from slot 0;
-    the logits after each row's last one. [B, V]"""
+def prefill(model, cache: StaticCache, tokens: torch.Tensor, lengths: torch.Tensor, layers: tuple[int, ...] = ()):
+    """StaticModel.prefill into `cache`, from slot 0."""
     b, width = tokens.shape[0], int(lengths.max())
     positions = torch.arange(width, device=tokens.device).expand(b, width)
     last = lengths - 1
     keep = torch.unique(last)  # the rows' last positions, each once
     step = StaticStep(cache, torch.zeros(b, dtype=torch.long, device=tokens.device))
-    logits = static_forward(model, tokens[:, :width], positions, step, logits_to_keep=keep).logits
-    return logits[torch.arange(b, device=tokens.device), torch.searchsorted(keep, last)]
+    out = static_forward(model, tokens[:, :width], positions, step, logits_to_keep=keep, **with_hidden_states(layers))
+    logits = out.logits[torch.arange(b, device=tokens.device), torch.searchsorted(keep, last)]
+    if not layers:
+        return logits
+    return logits, torch.cat([out.hidden_states[i] for i in layers], dim=-1)

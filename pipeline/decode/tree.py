@@ -21,7 +21,7 @@ import torch
 
 from pipeline.decode.kv import SlotCache, with_hidden_states
 from pipeline.decode.sampling import next_token, process_logits, sample
-from pipeline.decode.types import DecodeResult, Rows, TreeProposal, left_pad
+from pipeline.decode.types import DecodeResult, Rows, Sequences, TreeProposal, left_pad
 
 
 def ancestors(parents: torch.Tensor) -> torch.Tensor:
@@ -114,3 +114,98 @@ def _tree_decode_one(model, drafter, prompt, budget, max_new_tokens, eos_ids, pa
         finished = rows.emit(0, chunk[0, index[1:]].tolist() + [following])
         last = torch.tensor([following], device=device)
     return DecodeResult(rows.out, rows.passes, proposed, accepted)
+
+
+def tree_layout(parents: torch.Tensor, max_depth: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`ancestors` [N+1, N+1] and each node's depth [N+1] (the root's 0) on the device, with a
+    fixed number of operations (no host round-trip): parents [N] (-1: the root), at most
+    max_depth deep."""
+    n = parents.shape[0]
+    up = torch.zeros((n + 1, n + 1), device=parents.device)
+    up[torch.arange(1, n + 1, device=parents.device), parents + 1] = 1.0  # node -> its parent
+    anc = torch.eye(n + 1, dtype=torch.bool, device=parents.device)
+    reach = anc.float()
+    for _ in range(max_depth):
+        reach = reach @ up
+        anc |= reach > 0
+    return anc, anc.sum(dim=1) - 1
+
+
+def greedy_walk_on_device(tokens: torch.Tensor, parents: torch.Tensor, anc: torch.Tensor, depth: torch.Tensor,
+                          logits: torch.Tensor):
+    """`walk` when greedy, on the device: logits [N+1, V] at (root, nodes). A node is kept when
+    it is the first child of its parent whose token is the target's argmax there, and so are
+    its ancestors; the deepest kept node ends the accepted path. Returns (end node, its depth
+    = tokens accepted, the next token, whether the end node has children), all device scalars."""
+    best = logits.argmax(dim=-1)  # [N+1]
+    index = torch.arange(len(best), device=best.device)
+    parent = torch.cat([index[:1], parents + 1])  # each node's parent (the root: itself)
+    node_tokens = torch.cat([best.new_full((1,), -1), tokens])
+    matched = (node_tokens == best[parent]) | (index == 0)
+    earlier = (parent[:, None] == parent[None, :]) & (index[None, :] < index[:, None]) & (index[None, :] > 0)
+    first = matched & ~(earlier & matched[None, :]).any(dim=1)
+    kept = ~(anc & ~first[None, :]).any(dim=1)
+    end = (kept.long() * (depth + 1)).argmax()
+    return end, depth[end], best[end], (parent[1:] == end).any()
+
+
+@torch.inference_mode()
+def fast_tree_decode(target, drafter, prompts: list[list[int]], *, budget: int, max_new_tokens: int,
+                     eos_ids: set[int]) -> DecodeResult:
+    """Greedy token-tree decoding on the fast path (static caches, a captured verification per
+    tree size, the walk and the accepted path's cache compaction on the device, one small
+    device->host copy a round), one prompt at a time: tree_decode's outputs and counts."""
+    device = target.device
+    layers = tuple(drafter.feature_layers)
+    out_tokens, passes, proposed, accepted = [], [], [], []
+    for prompt in prompts:
+        target.ready(1, len(prompt) + max_new_tokens + budget + 2)
+        seqs = Sequences(torch.zeros((1, target.max_len), dtype=torch.long, device=device),
+                         torch.tensor([len(prompt)], device=device))
+        seqs.tokens[0, : len(prompt)] = torch.tensor(prompt, dtype=torch.long)
+        rows = Rows([prompt], max_new_tokens, eos_ids)
+        out = target.prefill(seqs.tokens, seqs.lengths, layers)
+        logits, features = out if layers else (out, None)
+        first = logits.argmax(dim=-1)
+        seqs.tokens[0, len(prompt)] = first[0]
+        seqs.lengths += 1
+        drafter.start(seqs, target.max_len)
+        if features is not None:
+            drafter.observe(features, torch.zeros_like(seqs.lengths), seqs.lengths - 1)
+        finished = rows.emit(0, first.tolist())
+        while not finished:
+            proposal = drafter.propose_tree(seqs, budget)
+            n = len(proposal.tokens)
+            max_depth = proposal.max_depth or n
+            anc, depth = tree_layout(proposal.parents, max_depth)
+            verify, inputs = target.replay(n + 1, layers=layers, tree=True)
+            inputs.start.copy_(seqs.lengths - 1)
+            inputs.positions.copy_(inputs.start[:, None] + depth[None])
+            inputs.tokens[:, :1] = seqs.tokens.gather(1, inputs.start[:, None])
+            inputs.tokens[0, 1:] = proposal.tokens
+            inputs.tree.copy_(anc)
+            out = verify()
+            logits, features = out if layers else (out, None)
+            end, num_accepted, new, has_kids = greedy_walk_on_device(proposal.tokens, proposal.parents, anc, depth,
+                                                                     logits[0])
+            # The accepted path, root first, then the other nodes (stale past the path's end).
+            path = torch.sort(torch.where(anc[end], depth, n + 1 + depth)).indices[: max_depth + 1]
+            target.cache.move(inputs.start, path[None], len(path))
+            node_tokens = torch.cat([inputs.tokens[0, :1], proposal.tokens])
+            emitted = torch.cat([node_tokens[path[1:]], new[None]]).scatter(0, num_accepted[None], new[None])
+            slots = (seqs.lengths + torch.arange(len(emitted), device=device)).clamp(max=target.max_len - 1)
+            seqs.tokens[0, slots] = emitted
+            seqs.lengths += num_accepted + 1
+            if features is not None:
+                drafter.observe(features[:, path], inputs.start, num_accepted[None] + 1)
+            n_acc, kids, *tokens = torch.cat([num_accepted[None], has_kids[None].long(), emitted]).tolist()
+            for d in range(n_acc + kids):  # depth d had candidates; all but the last reached were accepted
+                if d == len(proposed):
+                    proposed.append(0)
+                    accepted.append(0)
+                proposed[d] += 1
+                accepted[d] += d < n_acc
+            finished = rows.emit(0, tokens[: n_acc + 1])
+        out_tokens.append(rows.out[0])
+        passes.append(rows.passes[0])
+    return DecodeResult(out_tokens, passes, proposed, accepted)

@@ -55,6 +55,9 @@ class TreeProposal:
     """[N] target token ids; every node comes after its parent."""
     parents: torch.Tensor
     """[N] index of each node's parent node, -1 for the root (the last committed token)."""
+    max_depth: Optional[int] = None
+    """A bound on the tree's depth where the drafter knows one (the fast path's walk takes that
+    many steps); None: N."""
 
 
 class Drafter(Protocol):
@@ -91,6 +94,9 @@ class Sequences:
 
 class FastDrafter(Protocol):
     name: str
+    feature_layers: tuple[int, ...]
+    """Target hidden states it reads (output_hidden_states indices; empty: none), handed to
+    `observe` for every position the target keeps."""
 
     def start(self, seqs: Sequences, max_len: int) -> None:
         """Prefill the draft on the prompts (seqs holds them and the first emitted token)."""
@@ -100,6 +106,10 @@ class FastDrafter(Protocol):
 
     def accepted(self, seqs: Sequences, num_accepted: torch.Tensor) -> None:
         """After seqs grew by the accepted tokens and the next one."""
+
+    def observe(self, features: torch.Tensor, first: torch.Tensor, count: torch.Tensor) -> None:
+        """features [B, W, F] of positions first[b] .. first[b] + W - 1, of which the target kept
+        the first count[b] (the prompt at prefill, then `last` and the accepted drafts)."""
 
 
 def left_pad(prompts: list[list[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -17,6 +17,7 @@ import torch
 from pipeline.data.chat import first_prompt_ids, next_turn_ids
 from pipeline.data.sources import Conversation
 from pipeline.decode import DecodeResult, plain_decode, speculative_decode, tree_decode
+from pipeline.decode.tree import fast_tree_decode
 from pipeline.decode.fast import fast_decode
 from pipeline.decode.static_kv import StaticModel
 from pipeline.kinds import DraftOptions, kind_of_method
@@ -114,9 +115,12 @@ def make_decode(drafter: str, settings: Settings, num_draft_tokens: Optional[int
         return hf_decode(drafter, settings, num_draft_tokens, draft_model)
     kind, tree = kind_of_method(drafter)
     options = dataclasses.replace(s.drafting, temperature=s.temperature, top_p=s.top_p, generator=generator)
-    if s.fast is not None and not tree and kind.fast is not None:
+    if s.fast is not None and on_fast_path(kind, tree, s.temperature):
         # One drafter for every call: its static cache and captured forwards are kept.
         made = kind.fast(draft_model, s.model, dataclasses.replace(options, graphs=s.fast.graphs))
+        if tree:
+            return lambda prompts: fast_tree_decode(s.fast, made, prompts, budget=num_draft_tokens,
+                                                    max_new_tokens=s.max_new_tokens, eos_ids=s.eos_ids)
         return lambda prompts: fast_decode(s.fast, made, prompts, num_draft_tokens=num_draft_tokens, **fast)
     make = lambda: kind.drafter(draft_model, s.model, options)  # a fresh drafter (and its caches) per call
     if tree:
@@ -124,6 +128,12 @@ def make_decode(drafter: str, settings: Settings, num_draft_tokens: Optional[int
                                            **common)
     return lambda prompts: speculative_decode(s.model, make(), prompts, num_draft_tokens=num_draft_tokens,
                                               generator=generator, **common)
+
+
+def on_fast_path(kind, tree: bool, temperature: float) -> bool:
+    """Whether a method of this Kind decodes on the fast path where it is on: its chains, and
+    its greedy trees where its fast drafter makes them (the rest: the CPU path's decoder)."""
+    return kind.fast is not None and (not tree or (kind.fast_trees and temperature == 0))
 
 
 def hf_decode(kind: str, settings: Settings, num_draft_tokens: Optional[int], draft_model) -> Decode:
@@ -303,10 +313,10 @@ def fast_forward_step(model: StaticModel, new_tokens: int, context: int = 128,
     tokens = torch.randint(0, model.model.config.vocab_size, (1, model.max_len), generator=gen).to(model.device)
     with torch.inference_mode():  # the static buffers are inference tensors
         model.prefill(tokens, torch.tensor([context], device=model.device))
-        replay, chunk, positions, start = model.replay(new_tokens, logits_to_keep)
-        chunk.copy_(tokens[:, context : context + new_tokens])
-        start.fill_(context)
-        positions.copy_(context + torch.arange(new_tokens, device=model.device))
+        replay, inputs = model.replay(new_tokens, logits_to_keep)
+        inputs.tokens.copy_(tokens[:, context : context + new_tokens])
+        inputs.start.fill_(context)
+        inputs.positions.copy_(context + torch.arange(new_tokens, device=model.device))
     return replay
 
 
@@ -339,6 +349,31 @@ def heads_step(heads, target, context: int = 128) -> tuple[Callable[[], None], i
         kv.keep_last(drop)
 
     return step, 1
+
+
+def fast_heads_step(heads, target, graphs: bool, context: int = 128) -> tuple[Callable[[], object], int]:
+    """heads_step on the fast path: one EAGLE step (a replay) after `context` slots of its static
+    cache, one early-exit forward, or all Medusa heads on one hidden state."""
+    from pipeline.decode.static_kv import use_static_attention
+
+    if heads.kind == "medusa":
+        return heads_step(heads, target, context)
+    if heads.kind == "early_exit":
+        from pipeline.heads.models import early_exit_model
+
+        draft = early_exit_model(target, heads)
+        use_static_attention(draft)
+        return fast_forward_step(StaticModel(draft, graphs), 1, context, logits_to_keep=1), 1
+    use_static_attention(heads.decoder)
+    static = StaticModel(heads, graphs)
+    static.ready(1, context + 2)
+    size = heads.config.hidden_size
+    with torch.inference_mode():
+        replay, inputs = static.replay(1, logits_to_keep=1, feature_width=size)
+        inputs.start.fill_(context)
+        inputs.positions.fill_(context)
+        inputs.features.copy_(torch.randn((1, 1, size), generator=torch.Generator().manual_seed(0)))
+    return replay, 1
 
 
 def tree_round_step(drafter, target, budget: int, context: int = 128) -> Callable[[], None]:

@@ -24,9 +24,9 @@ from pipeline.decode.static_kv import StaticModel, use_static_attention
 from pipeline.distill.draft import load_draft
 from pipeline.errors import PipelineError
 from pipeline.eval.measure import (
-    Measurement, Method, Settings, best_num_draft_tokens, fast_forward_step, forward_step,
-    greedy_divergences, heads_step, make_decode, measure, median_seconds, predicted_speedup, tie_epsilon,
-    tree_round_step,
+    Measurement, Method, Settings, best_num_draft_tokens, fast_forward_step, fast_heads_step, forward_step,
+    greedy_divergences, heads_step, make_decode, measure, median_seconds, on_fast_path, predicted_speedup,
+    tie_epsilon, tree_round_step,
 )
 from pipeline.eval.report import write_report
 from pipeline.files import remove
@@ -190,7 +190,9 @@ def measure_costs(target, methods, ks: list[int], budgets: dict[str, list[int]],
         elif kind.trained_by == "distill":
             steps[("draft", name)], tokens[name] = forward_step(module, 1), 1
         elif kind.trained_by == "heads":
-            steps[("draft", name)], tokens[name] = heads_step(module, target)
+            steps[("draft", name)], tokens[name] = (fast_heads_step(module, target, fast.graphs)
+                                                    if fast is not None and kind.fast is not None
+                                                    else heads_step(module, target))
     seconds = median_seconds(steps, target, reps=15)  # 15: a median that holds when a few in 5 calls stall
     one = seconds["one"]
     return Costs(target_forward_s=one, verify={k: seconds[("verify", k)] / one for k in ks},
@@ -334,7 +336,9 @@ def run(cfg: Config) -> Path:
         threads=torch.get_num_threads(), sweep_prompts=ev.sweep_prompts,
         tie_epsilon=tie_epsilon(next(target.model.parameters()).dtype),
         confidence_threshold=ev.confidence_threshold, int8_drafts=[n for n in int8 if is_int8(models[n])],
-        fast_path=dict(cuda_graphs=graphs, methods=["plain", *(n for n, _, _ in spec if on_fast_path(n))] if fast else []),
+        fast_path=dict(cuda_graphs=graphs, methods=["plain", *(n for n, _, _ in spec
+                                                            if on_fast_path(*kind_of_method(n), ev.temperature))]
+                       if fast else []),
         baselines=dict(plain=dict(tokens_per_s=plain.total.tokens_per_s, tokens=plain.total.tokens,
                                   seconds=plain.total.seconds),
                        hf_generate=dict(tokens_per_s=hf.total.tokens_per_s, tokens=hf.total.tokens,
@@ -361,12 +365,6 @@ def run(cfg: Config) -> Path:
     print(f"eval: {len(methods)} methods on {len(convs)} conversations -> {out / 'report.md'}")
     print(_console_table(report))
     return out
-
-
-def on_fast_path(method: str) -> bool:
-    """Whether eval decodes `method` on the fast path when it is on (the rest: the CPU path's decoder)."""
-    kind, tree = kind_of_method(method)
-    return not tree and kind.fast is not None
 
 
 def _console_table(report: dict) -> str:

@@ -205,22 +205,23 @@ class EagleHead(nn.Module):
         return self.fc(target_features)
 
     def features_out(self, input_ids: torch.Tensor, features: torch.Tensor, attention_mask=None, position_ids=None,
-                     cache=None, use_cache: bool = False) -> torch.Tensor:
+                     cache=None, use_cache: bool = False, **kwargs) -> torch.Tensor:
         """The head's output features [B, S, H] for input_ids [B, S] (token t+1 at position t)
-        and features [B, S, H] (fused target features, or its own fed back)."""
+        and features [B, S, H] (fused target features, or its own fed back); kwargs go to the
+        decoder's attention (the decoder's fast path: static_step)."""
         with torch.no_grad():
             embeds = self.embed_tokens(input_ids)
         x = torch.cat([embeds.to(features.dtype), features], dim=-1)
         return self.decoder(inputs_embeds=x, attention_mask=attention_mask, position_ids=position_ids,
-                            use_cache=use_cache, **with_cache(self.decoder, cache)).last_hidden_state
+                            use_cache=use_cache, **with_cache(self.decoder, cache), **kwargs).last_hidden_state
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., H] output features -> [..., V_draft] logits."""
         return self.lm_head(self.norm(hidden))
 
     def forward(self, input_ids: torch.Tensor, features: torch.Tensor, attention_mask=None, position_ids=None,
-                cache=None, use_cache: bool = False, logits_to_keep: int = 0) -> HeadOutput:
-        hidden = self.features_out(input_ids, features, attention_mask, position_ids, cache, use_cache)
+                cache=None, use_cache: bool = False, logits_to_keep: int = 0, **kwargs) -> HeadOutput:
+        hidden = self.features_out(input_ids, features, attention_mask, position_ids, cache, use_cache, **kwargs)
         if logits_to_keep:
             hidden = hidden[:, -logits_to_keep:]
         return HeadOutput(self.logits(hidden), hidden)

@@ -17,7 +17,7 @@ from pipeline.kernels.linear import int8_linears
 from pipeline.decode.sampling import accept_sampling, process_logits
 from pipeline.decode.prepare import restrict_vocabulary
 from pipeline.heads import build_heads
-from pipeline.kinds import make_drafter
+from pipeline.kinds import KINDS, DraftOptions, make_drafter
 
 VOCAB = 6
 HEAD_SETTINGS = {"medusa": dict(num_heads=2, num_layers=1), "eagle": dict(feature_layers=[0, 1], ttt_steps=1),
@@ -152,6 +152,9 @@ def test_speculative_sampling_matches_the_target_distribution(drafter_kind, k, t
     ("draft_model", 2, 0.7, 0.9, 0.6),
     ("ngram", 3, 1.0, 1.0, 0.0),
     ("draft_vocab", 2, 1.0, 1.0, 0.0),
+    ("medusa", 2, 1.0, 1.0, 0.0),
+    ("eagle", 3, 0.8, 0.95, 0.0),
+    ("early_exit", 2, 1.0, 1.0, 0.0),
 ])
 def test_fast_path_sampling_matches_the_target_distribution(drafter_kind, k, temperature, top_p, threshold):
     """The same check on the fast path (static caches, the fused acceptance with its inverse-CDF
@@ -168,6 +171,9 @@ def test_fast_path_sampling_matches_the_target_distribution(drafter_kind, k, tem
     drafter = None
     if drafter_kind == "ngram":
         drafter = FastNgramDrafter(temperature=temperature, vocab_size=VOCAB)
+    elif drafter_kind in HEAD_SETTINGS:
+        options = DraftOptions(temperature=temperature, top_p=top_p, generator=gen, confidence_threshold=threshold)
+        drafter = KINDS[drafter_kind].fast(random_heads(drafter_kind, target), target, options)
     elif drafter_kind != "plain":
         draft = sharp_llama(7, scale=15.0)
         if drafter_kind == "draft_vocab":

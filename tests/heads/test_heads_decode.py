@@ -54,6 +54,84 @@ def test_greedy_heads_match_plain_decoding(kind, k, vocab_rows, threshold):
     assert all(a <= p for a, p in zip(out.accepted_by_position, out.proposed_by_position))
 
 
+def copying_eagle(target):
+    """An EAGLE head that passes the target's last hidden state through (fc the identity, its
+    layer adding nothing): it proposes the target's next token again, so it is accepted
+    wherever the target repeats a token."""
+    heads = build_heads("eagle", target, torch.arange(40), dict(feature_layers=[-1], ttt_steps=1))
+    with torch.no_grad():
+        heads.fc.weight.copy_(torch.eye(32))
+        for p in heads.layer.parameters():
+            p.zero_()
+        heads.norm.weight.copy_(target.model.norm.weight)
+    return heads.eval()
+
+
+@pytest.mark.parametrize("kind", ["medusa", "eagle", "early_exit"])
+@pytest.mark.parametrize("k", [1, 3, 5])
+@pytest.mark.parametrize("threshold", [0.0, 0.08])
+def test_fast_path_heads_match_plain_decoding_and_the_cpu_path(kind, k, threshold):
+    """On the fast path (static caches, fixed shapes) each head kind's chains give plain
+    decoding's tokens and exactly the CPU path's acceptance counts: the same proposals. The
+    target (seed 1) runs into repeats, where the copying EAGLE head accepts whole chains."""
+    from pipeline.decode.fast import fast_decode
+    from pipeline.decode.static_kv import StaticModel, use_static_attention
+    from pipeline.kinds import KINDS, DraftOptions
+
+    target = tiny_target(seed=1)
+    draft_vocab = torch.randperm(40, generator=torch.Generator().manual_seed(3))[:25]
+    heads = copying_eagle(target) if kind == "eagle" else random_heads(kind, target, draft_vocab)
+    prompts = [[1, 5, 9, 2], [7, 3], [4, 4, 4, 4, 4, 8, 1]]
+    common = dict(max_new_tokens=24, eos_ids={39})
+    plain = plain_decode(target, prompts, pad_id=0, **common)
+    cpu = speculative_decode(target, make_drafter(kind, heads, target, confidence_threshold=threshold), prompts,
+                             num_draft_tokens=k, pad_id=0, **common)
+    use_static_attention(target)
+    drafter = KINDS[kind].fast(heads, target, DraftOptions(confidence_threshold=threshold))
+    out = fast_decode(StaticModel(target, graphs=False), drafter, prompts, num_draft_tokens=k, **common)
+    assert out.tokens == plain.tokens
+    assert out.accepted_by_position == cpu.accepted_by_position
+    assert out.proposed_by_position == cpu.proposed_by_position
+    if kind == "eagle" and k > 1 and not threshold:
+        assert out.accepted_by_position[k - 1] > 0  # whole chains accepted
+
+
+@pytest.mark.parametrize("budget", [1, 6, 20])
+@pytest.mark.parametrize("copying", [False, True])
+def test_fast_path_medusa_trees_match_the_cpu_path(budget, copying):
+    """Greedy Medusa trees on the fast path (the walk and the accepted path's cache compaction
+    on the device) give plain decoding's tokens and the CPU path's tree counts. Untrained heads
+    copy the target's next token: on a target that repeats (seed 3) they accept deep paths."""
+    from pipeline.decode import tree_decode
+    from pipeline.decode.static_kv import StaticModel, use_static_attention
+    from pipeline.decode.tree import fast_tree_decode
+    from pipeline.kinds import KINDS, DraftOptions
+
+    target = tiny_target(seed=3 if copying else 0)
+    heads = random_heads("medusa", target, torch.arange(40), scale=0.0 if copying else 0.3)
+    prompts = [[1, 5, 9, 2], [7, 3], [4, 4, 4, 4, 4, 8, 1]]
+    common = dict(max_new_tokens=24, eos_ids={39})
+    plain = plain_decode(target, prompts, pad_id=0, **common)
+    cpu = tree_decode(target, make_drafter("medusa", heads, target), prompts, budget=budget, pad_id=0, **common)
+    use_static_attention(target)
+    drafter = KINDS["medusa"].fast(heads, target, DraftOptions())
+    out = fast_tree_decode(StaticModel(target, graphs=False), drafter, prompts, budget=budget, **common)
+    assert out.tokens == plain.tokens
+    assert (out.accepted_by_position, out.proposed_by_position) == (cpu.accepted_by_position, cpu.proposed_by_position)
+    assert out.target_passes == cpu.target_passes
+    if copying and budget > 1:
+        assert len(out.accepted_by_position) >= 3 and out.accepted_by_position[2] > 0  # paths 3 deep
+
+
+def test_device_tree_layout_equals_the_host_one():
+    from pipeline.decode.tree import ancestors, tree_layout
+
+    parents = torch.tensor([-1, -1, 0, 0, 2, 1, 4, -1, 6])
+    anc, depth = tree_layout(parents, max_depth=5)
+    assert torch.equal(anc, ancestors(parents))
+    assert depth.tolist() == [0, 1, 1, 2, 2, 3, 2, 4, 1, 5]
+
+
 def test_eagle_drafts_well_when_it_copies_the_target():
     """A head whose layer is the identity and whose feature is the target's last hidden state
     reproduces the target's own greedy next token at draft position 1: everything is accepted there."""
