@@ -119,8 +119,7 @@ def _fast_draft_model(module, target, o: DraftOptions):
 def _fast_medusa(module, target, o: DraftOptions):
     from pipeline.decode.medusa import FastMedusaDrafter
 
-    return FastMedusaDrafter(module, target.config.vocab_size, o.temperature, o.top_p, o.generator,
-                             choices=o.medusa_choices)
+    return FastMedusaDrafter(_medusa(module, target, o))
 
 
 def _fast_eagle(module, target, o: DraftOptions):

@@ -69,6 +69,26 @@ def draft_chain(drafter, logits: torch.Tensor, k: int, advance: Callable[[torch.
     return chain_proposal(tokens, probs, num), len(tokens)
 
 
+def fixed_chain(drafter, logits: torch.Tensor, k: int, advance: Callable[[int, torch.Tensor], torch.Tensor],
+                to_target: Optional[torch.Tensor]) -> Proposal:
+    """draft_chain at fixed shapes (the fast path): always k draws and k - 1 advances
+    (advance(i, token [B]) feeds the i-th drawn token and returns the next logits); a row's
+    chain ends at its first unsure token by proposing fewer tokens, not by doing less work."""
+    tokens, probs = [], []
+    going = torch.ones(logits.shape[0], dtype=torch.bool, device=logits.device)
+    num = torch.zeros(logits.shape[0], dtype=torch.long, device=logits.device)
+    for i in range(k):
+        token, q = draw(logits, drafter.temperature, drafter.top_p, drafter.generator, to_target, drafter.vocab_size)
+        tokens.append(token)
+        probs.append(q)
+        num += going
+        if drafter.confidence_threshold > 0:
+            going &= confidence(logits, token, q) >= drafter.confidence_threshold
+        if i < k - 1:
+            logits = advance(i, token)
+    return chain_proposal(tokens, probs, num)
+
+
 def confidence(logits: torch.Tensor, token: torch.Tensor, q: Optional[torch.Tensor]) -> torch.Tensor:
     """[B] the probability the draft gave its own choice: q(token) when sampling, the largest
     of softmax(logits [B, V_draft]) when greedy."""

@@ -6,7 +6,7 @@ from typing import Optional
 
 import torch
 
-from pipeline.decode.chain import chain_proposal, confidence, draft_chain, draw
+from pipeline.decode.chain import draft_chain, fixed_chain
 from pipeline.decode.kv import SlotCache
 from pipeline.decode.static_kv import StaticModel
 from pipeline.decode.types import Proposal, Sequences
@@ -106,22 +106,14 @@ class FastModelDrafter:
         two.tokens.copy_(seqs.tokens.gather(1, two.positions))
         logits = first()[:, -1]
         step, one = self.static.replay(1, logits_to_keep=1)
-        drawn, probs = [], []
-        going = torch.ones(seqs.tokens.shape[0], dtype=torch.bool, device=self.device)
-        num = torch.zeros_like(seqs.lengths)
-        for i in range(num_draft_tokens):
-            token, q = draw(logits, self.temperature, self.top_p, self.generator, self.to_target, self.vocab_size)
-            drawn.append(token)
-            probs.append(q)
-            num += going
-            if self.confidence_threshold > 0:
-                going &= confidence(logits, token, q) >= self.confidence_threshold
-            if i < num_draft_tokens - 1:
-                one.tokens.copy_(token[:, None])  # a target id: a draft vocabulary restricts only the LM head
-                one.start.copy_(seqs.lengths + i)
-                one.positions.copy_(one.start[:, None])
-                logits = step()[:, -1]
-        return chain_proposal(drawn, probs, num)
+
+        def advance(i: int, token: torch.Tensor) -> torch.Tensor:
+            one.tokens.copy_(token[:, None])  # a target id: a draft vocabulary restricts only the LM head
+            one.start.copy_(seqs.lengths + i)
+            one.positions.copy_(one.start[:, None])
+            return step()[:, -1]
+
+        return fixed_chain(self, logits, num_draft_tokens, advance, self.to_target)
 
     def accepted(self, seqs: Sequences, num_accepted: torch.Tensor) -> None:
         pass  # the next round's first step recomputes what the cache may lack

@@ -6,7 +6,7 @@ from typing import Optional
 
 import torch
 
-from pipeline.decode.chain import chain_proposal, confidence, draft_chain, draw
+from pipeline.decode.chain import draft_chain, fixed_chain
 from pipeline.decode.kv import SlotCache
 from pipeline.decode.static_kv import StaticModel, StaticStep, static_forward, use_static_attention
 from pipeline.decode.types import Proposal, Sequences, TreeProposal
@@ -197,25 +197,18 @@ class FastEagleDrafter:
         logits, hidden = self._catch_up(seqs)
         _, first, count = self.pending
         step, one = self.static.replay(1, logits_to_keep=1, feature_width=self.size)
-        drawn, probs = [], []
-        going = torch.ones(seqs.tokens.shape[0], dtype=torch.bool, device=logits.device)
-        num = torch.zeros_like(seqs.lengths)
-        for i in range(num_draft_tokens):
-            token, q = draw(logits, self.temperature, self.top_p, self.generator, self.head.draft_to_target,
-                            self.vocab_size)
-            drawn.append(token)
-            probs.append(q)
-            num += going
-            if self.confidence_threshold > 0:
-                going &= confidence(logits, token, q) >= self.confidence_threshold
-            if i < num_draft_tokens - 1:
-                one.tokens.copy_(token[:, None])
-                one.start.copy_(first + count + i)
-                one.positions.copy_(one.start[:, None])
-                one.features.copy_(hidden[:, None])
-                logits, hidden = step()
-                logits, hidden = logits[:, -1], hidden[:, -1]
-        return chain_proposal(drawn, probs, num)
+
+        def advance(i: int, token: torch.Tensor) -> torch.Tensor:
+            nonlocal hidden
+            one.tokens.copy_(token[:, None])
+            one.start.copy_(first + count + i)
+            one.positions.copy_(one.start[:, None])
+            one.features.copy_(hidden[:, None])
+            logits, out = step()
+            hidden = out[:, -1]
+            return logits[:, -1]
+
+        return fixed_chain(self, logits, num_draft_tokens, advance, self.head.draft_to_target)
 
     def accepted(self, seqs: Sequences, num_accepted: torch.Tensor) -> None:
         pass  # the next catch-up writes over the drafted entries

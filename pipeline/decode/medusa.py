@@ -35,11 +35,14 @@ class MedusaDrafter:
         self.hidden = last_kept(features, kept)  # [B, H]
 
     def propose(self, seqs: list[list[int]], num_draft_tokens: int) -> Proposal:
-        n = min(num_draft_tokens, self.heads.num_heads)
-        logits = self.heads(self.hidden)[:, :n]  # [B, n, V_draft]
+        return chain_proposal(*self.draw_heads(self.hidden, min(num_draft_tokens, self.heads.num_heads)))
+
+    def draw_heads(self, hidden: torch.Tensor, n: int) -> tuple[list[torch.Tensor], list[Optional[torch.Tensor]]]:
+        """The first n heads' tokens [B] (and distributions) for hidden states [B, H]."""
+        logits = self.heads(hidden)[:, :n]  # [B, n, V_draft]
         tokens, probs = zip(*(draw(logits[:, i], self.temperature, self.top_p, self.generator,
                                    self.heads.draft_to_target, self.vocab_size) for i in range(n)))
-        return chain_proposal(list(tokens), list(probs))
+        return list(tokens), list(probs)
 
     def accepted(self, num_accepted: torch.Tensor) -> None:
         pass
@@ -111,38 +114,33 @@ def static_tree(budget: int, num_heads: int, width: int = 10, head_decay: float 
 
 
 class FastMedusaDrafter:
-    """Medusa heads on the fast path: head i of the target's last kept hidden state proposes
-    token i+1, on the device, k columns (past the heads: filler, never proposed)."""
+    """Medusa heads on the fast path, with a MedusaDrafter's heads, sampling settings and trees:
+    head i of the target's last kept hidden state proposes token i+1, on the device, k columns
+    (past the heads: filler, never proposed)."""
 
     name = "medusa"
 
-    def __init__(self, heads, vocab_size: int, temperature: float = 0.0, top_p: float = 1.0,
-                 generator: Optional[torch.Generator] = None, choices: Optional[list] = None):
-        self.heads, self.vocab_size = heads, vocab_size
-        self.temperature, self.top_p, self.generator = temperature, top_p, generator
-        self.feature_layers = heads.feature_layers
-        self.trees = MedusaTrees(heads, choices)
+    def __init__(self, medusa: MedusaDrafter):
+        self.medusa = medusa
+        self.feature_layers = medusa.feature_layers
 
     def start(self, seqs: Sequences, max_len: int) -> None:
         self.hidden = None
 
     def propose_tree(self, seqs: Sequences, budget: int) -> TreeProposal:
-        return self.trees.propose(self.hidden[0], budget)
+        return self.medusa.trees.propose(self.hidden[0], budget)
 
     def observe(self, features: torch.Tensor, first: torch.Tensor, count: torch.Tensor) -> None:
         self.hidden = features[torch.arange(features.shape[0], device=features.device), count - 1]  # [B, H]
 
     def propose(self, seqs: Sequences, num_draft_tokens: int) -> Proposal:
-        n = min(num_draft_tokens, self.heads.num_heads)
-        logits = self.heads(self.hidden)[:, :n]  # [B, n, V_draft]
-        tokens, probs = zip(*(draw(logits[:, i], self.temperature, self.top_p, self.generator,
-                                   self.heads.draft_to_target, self.vocab_size) for i in range(n)))
-        tokens, probs = list(tokens), list(probs)
+        m = self.medusa
+        n = min(num_draft_tokens, m.heads.num_heads)
+        tokens, probs = m.draw_heads(self.hidden, n)
         for _ in range(num_draft_tokens - n):  # filler past the last head
             tokens.append(torch.zeros_like(tokens[0]))
             probs.append(None if probs[0] is None else torch.zeros_like(probs[0]))
-        num = torch.full_like(tokens[0], n)
-        return chain_proposal(tokens, probs, num)
+        return chain_proposal(tokens, probs, torch.full_like(tokens[0], n))
 
     def accepted(self, seqs: Sequences, num_accepted: torch.Tensor) -> None:
         pass
