@@ -4,7 +4,7 @@
     ngram        -            nothing (settings only)    -      -            yes
     draft_model  distill      draft/  (HF folder)        -      yes          yes
     medusa       heads        heads/  + medusa/          yes    yes          yes (greedy trees)
-    eagle        heads        heads/  + eagle3/, speculators/  yes  - (its features feed back)  chains
+    eagle        heads        heads/  + eagle3/, speculators/  yes  - (its features feed back)  yes (greedy trees)
     early_exit   heads        heads/                     -      - (mostly the target's layers)  yes
 
 Adding a kind touches this table and one drafter module in pipeline/decode/. The names come
@@ -126,7 +126,8 @@ def _fast_eagle(module, target, o: DraftOptions):
     from pipeline.decode.eagle import FastEagleDrafter
 
     return FastEagleDrafter(module, target.config.vocab_size, o.temperature, o.top_p, o.generator,
-                            confidence_threshold=o.confidence_threshold, graphs=o.graphs)
+                            confidence_threshold=o.confidence_threshold, graphs=o.graphs, tree_depth=o.tree_depth,
+                            tree_topk=o.tree_topk)
 
 
 def _fast_early_exit(module, target, o: DraftOptions):
@@ -200,7 +201,7 @@ KINDS: dict[str, Kind] = {
                    fast_trees=True),
     "eagle": Kind("eagle", "heads", _eagle, load=_load_heads, bundle_folder="heads", trees=True, stops_early=True,
                   describe="EAGLE head on the target's own hidden states", settings=("feature_layers", "ttt_steps"),
-                  formats=_eagle_formats, fast=_fast_eagle),
+                  formats=_eagle_formats, fast=_fast_eagle, fast_trees=True),
     "early_exit": Kind("early_exit", "heads", _early_exit, load=_load_heads, bundle_folder="heads", stops_early=True,
                        describe="early-exit adapter on the target's own hidden states",
                        settings=("exit_layer", "adapter_rank"), fast=_fast_early_exit),

@@ -154,10 +154,11 @@ class FastEagleDrafter:
 
     def __init__(self, head, vocab_size: int, temperature: float = 0.0, top_p: float = 1.0,
                  generator: Optional[torch.Generator] = None, confidence_threshold: float = 0.0,
-                 graphs: bool = False):
+                 graphs: bool = False, tree_depth: int = 5, tree_topk: int = 4):
         self.head, self.vocab_size = head, vocab_size
         self.temperature, self.top_p, self.generator = temperature, top_p, generator
         self.confidence_threshold = confidence_threshold
+        self.tree_depth, self.tree_topk = tree_depth, tree_topk
         self.feature_layers = head.feature_layers
         use_static_attention(head.decoder)
         self.static = StaticModel(head, graphs)
@@ -210,5 +211,75 @@ class FastEagleDrafter:
 
         return fixed_chain(self, logits, num_draft_tokens, advance, self.head.draft_to_target)
 
+    def propose_tree(self, seqs: Sequences, budget: int) -> TreeProposal:
+        """EagleDrafter.propose_tree on the device (batch size 1), at fixed shapes: the same
+        EAGLE-2 tree (the `tree_topk` most probable nodes of each depth expanded with their
+        `tree_topk` best children, `tree_depth` depths, the `budget` most probable nodes kept),
+        each depth's expansion one captured head forward whose nodes see the committed cache and
+        their own ancestors."""
+        self.width = self.tree_depth + 1  # a tree pass keeps at most that many positions
+        logits, hidden = self._catch_up(seqs)  # the root's: [1, V_draft], [1, H]
+        _, first, count = self.pending
+        k, depths, device = self.tree_topk, self.tree_depth, logits.device
+        total = k + (depths - 1) * k * k  # candidate nodes: k at depth 1, k * k at each deeper one
+        score = torch.zeros(total, device=device)
+        token = torch.zeros(total, dtype=torch.long, device=device)
+        parent = torch.full((total,), -1, dtype=torch.long, device=device)
+        depth = torch.ones(total, dtype=torch.long, device=device)
+        anc = torch.zeros((total, total), dtype=torch.bool, device=device)  # node -> its ancestors and itself
+        fed_hidden = torch.zeros(((depths - 1) * k, self.size), dtype=hidden.dtype, device=device)
+        fed_node = torch.zeros((depths - 1) * k, dtype=torch.long, device=device)  # fed slot -> node
+        top = torch.log_softmax(logits[0].float(), dim=-1).topk(k)
+        score[:k], token[:k] = top.values, top.indices
+        anc[torch.arange(k, device=device), torch.arange(k, device=device)] = True
+        committed = first + count  # [1] the head's cache after the catch-up
+        step, one = self.static.replay(k, feature_width=self.size, mask=True)
+        slots = torch.arange(one.mask.shape[-1], device=device)
+        lo, hi = 0, k
+        for d in range(2, depths + 1):
+            expand = lo + torch.sort(score[lo:hi], descending=True, stable=True).indices[:k]  # [K]
+            fed = (d - 2) * k  # tree slots already written
+            parent_hidden = hidden[0][None].expand(k, -1)  # depth-1 nodes: the root's feature
+            if fed:  # deeper: the feature their parent was given when it was fed
+                parent_hidden = fed_hidden[fed_slot_of(fed_node, parent[expand], fed)]
+            one.tokens.copy_(self.head.draft_to_target[token[expand]][None])
+            one.features.copy_(parent_hidden[None])
+            one.positions.copy_((committed + d - 2)[:, None].expand(-1, k))  # the expanded nodes' depth is d - 1
+            one.start.copy_(committed + fed)
+            # Each expanded node sees the committed slots, the tree slots of its ancestors, and itself.
+            rel = slots - committed  # [T] slot relative to the tree's first
+            mask = (rel < 0)[None, :].expand(k, -1)
+            if fed:
+                sees_fed = anc[expand][:, fed_node[:fed]]  # [K, fed]
+                in_fed = (rel >= 0) & (rel < fed)
+                mask = mask | (in_fed[None, :] & sees_fed.gather(1, rel.clamp(0, fed - 1)[None, :].expand(k, -1)))
+            mask = mask | (rel[None, :] == fed + torch.arange(k, device=device)[:, None])
+            one.mask.copy_(mask[None, None])
+            out_logits, out_hidden = step()
+            fed_hidden[fed: fed + k] = out_hidden[0]
+            fed_node[fed: fed + k] = expand
+            children = torch.log_softmax(out_logits[0].float(), dim=-1).topk(k)  # [K, K] per expanded node
+            new = hi + torch.arange(k * k, device=device)
+            score[new] = (score[expand][:, None] + children.values).reshape(-1)
+            token[new] = children.indices.reshape(-1)
+            parent[new] = expand.repeat_interleave(k)
+            depth[new] = d
+            anc[new] = anc[parent[new]]
+            anc[new, new] = True
+            lo, hi = hi, hi + k * k
+        # The budget's most probable nodes (ties: the shallower, then the first made), parents first.
+        by_depth = torch.sort(depth, stable=True).indices
+        best = by_depth[torch.sort(score[by_depth], descending=True, stable=True).indices][: min(budget, total)]
+        chosen = best[torch.sort(depth[best] * total + best).indices]
+        position = torch.full((total,), -1, dtype=torch.long, device=device)
+        position[chosen] = torch.arange(len(chosen), device=device)
+        parents = torch.where(parent[chosen] >= 0, position[parent[chosen].clamp(min=0)], -1)
+        return TreeProposal(self.head.draft_to_target[token[chosen]], parents, depths)
+
     def accepted(self, seqs: Sequences, num_accepted: torch.Tensor) -> None:
         pass  # the next catch-up writes over the drafted entries
+
+
+def fed_slot_of(fed_node: torch.Tensor, nodes: torch.Tensor, fed: int) -> torch.Tensor:
+    """The tree slot each of `nodes` was fed at (each was): fed_node maps the first `fed` slots to nodes."""
+    return (fed_node[None, :fed] == nodes[:, None]).long().argmax(dim=1)

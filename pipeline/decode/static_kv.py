@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
+import torch.nn.functional as F
 
 from pipeline.decode.kv import with_hidden_states
 from pipeline.kernels.tree_attention import tree_attention
@@ -67,6 +68,9 @@ class Inputs:
     """[B, W, F] a head's input features (EAGLE), when it reads any."""
     tree: Optional[torch.Tensor] = None
     """[W, W] bool ancestors among the new tokens (a token tree), when they are not a chain."""
+    mask: Optional[torch.Tensor] = None
+    """[B, 1, W, T] bool: every slot each new token sees, where neither a chain nor a tree says
+    it (EAGLE's tree expansion: a node sees its ancestors written by earlier steps)."""
 
 
 @dataclass
@@ -79,6 +83,8 @@ class StaticStep:
     """[B] slot of each row's first new token (= the row's visible committed slots)."""
     tree: Optional[torch.Tensor] = None
     """[W, W] bool ancestors among the new tokens; None: a causal chain."""
+    mask: Optional[torch.Tensor] = None
+    """[B, 1, W, T] bool: the slots each new token sees, instead of `start` and `tree`."""
 
 
 def static_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
@@ -98,7 +104,11 @@ def static_attention(module, query, key, value, attention_mask, dropout: float =
     keys.scatter_(2, slots, key.to(keys.dtype))
     values.scatter_(2, slots, value.to(values.dtype))
     scale = scaling if scaling is not None else d ** -0.5
-    out = tree_attention(query, keys, values, static_step.start, static_step.tree, scale)  # [B, Hq, W, D]
+    if static_step.mask is not None:
+        out = F.scaled_dot_product_attention(query, keys, values, attn_mask=static_step.mask, scale=scale,
+                                             enable_gqa=query.shape[1] != keys.shape[1])
+    else:
+        out = tree_attention(query, keys, values, static_step.start, static_step.tree, scale)  # [B, Hq, W, D]
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -171,25 +181,28 @@ class StaticModel:
         self.replays: dict[tuple, tuple[Replay, Inputs]] = {}
 
     def replay(self, width: int, logits_to_keep: int = 0, layers: tuple[int, ...] = (), feature_width: int = 0,
-               tree: bool = False):
+               tree: bool = False, mask: bool = False):
         """A forward of `width` tokens per row from static buffers, as (replay, its Inputs): fill
         the inputs, then call the replay. It returns logits [B, W', V] (W' = logits_to_keep or
         W), or (logits, extra) with extra the target's hidden states `layers` (output_hidden_states
         indices) concatenated [B, W, n * H], or with feature_width > 0 (a head that reads
         `features` [B, W, feature_width], as EAGLE's) the head's output features [B, W', H].
-        With `tree` the new tokens attend each other as Inputs.tree says (a token tree)."""
-        key = (width, logits_to_keep, layers, feature_width, tree)
+        With `tree` the new tokens attend each other as Inputs.tree says (a token tree), with
+        `mask` they see what Inputs.mask says."""
+        key = (width, logits_to_keep, layers, feature_width, tree, mask)
         if key not in self.replays:
             tokens = torch.zeros((self.batch, width), dtype=torch.long, device=self.device)
             inputs = Inputs(tokens, torch.zeros_like(tokens), torch.zeros(self.batch, dtype=torch.long, device=self.device),
                             torch.zeros((self.batch, width, feature_width), dtype=self.dtype, device=self.device)
                             if feature_width else None,
-                            torch.eye(width, dtype=torch.bool, device=self.device) if tree else None)
+                            torch.eye(width, dtype=torch.bool, device=self.device) if tree else None,
+                            torch.zeros((self.batch, 1, width, self.max_len), dtype=torch.bool, device=self.device)
+                            if mask else None)
             self.replays[key] = (Replay(self._forward(inputs, logits_to_keep, layers), self.graphs, self.pool), inputs)
         return self.replays[key]
 
     def _forward(self, inputs: Inputs, logits_to_keep: int, layers: tuple[int, ...]) -> Callable[[], object]:
-        step = StaticStep(self.cache, inputs.start, inputs.tree)
+        step = StaticStep(self.cache, inputs.start, inputs.tree, inputs.mask)
         if inputs.features is not None:
             def fn():
                 out = static_forward(self.model, inputs.tokens, inputs.positions, step, logits_to_keep,

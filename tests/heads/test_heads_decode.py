@@ -96,31 +96,38 @@ def test_fast_path_heads_match_plain_decoding_and_the_cpu_path(kind, k, threshol
         assert out.accepted_by_position[k - 1] > 0  # whole chains accepted
 
 
+@pytest.mark.parametrize("kind", ["medusa", "eagle"])
 @pytest.mark.parametrize("budget", [1, 6, 20])
 @pytest.mark.parametrize("copying", [False, True])
-def test_fast_path_medusa_trees_match_the_cpu_path(budget, copying):
-    """Greedy Medusa trees on the fast path (the walk and the accepted path's cache compaction
-    on the device) give plain decoding's tokens and the CPU path's tree counts. Untrained heads
-    copy the target's next token: on a target that repeats (seed 3) they accept deep paths."""
+def test_fast_path_trees_match_the_cpu_path(kind, budget, copying):
+    """Greedy trees on the fast path (Medusa's static trees, EAGLE-2's dynamic ones built on
+    the device; the walk and the accepted path's cache compaction on the device) give plain
+    decoding's tokens and the CPU path's tree counts. Copying heads (untrained Medusa heads,
+    copying_eagle) on a target that repeats (seed 3) accept paths several nodes deep."""
     from pipeline.decode import tree_decode
     from pipeline.decode.static_kv import StaticModel, use_static_attention
     from pipeline.decode.tree import fast_tree_decode
     from pipeline.kinds import KINDS, DraftOptions
 
     target = tiny_target(seed=3 if copying else 0)
-    heads = random_heads("medusa", target, torch.arange(40), scale=0.0 if copying else 0.3)
+    if kind == "eagle":
+        heads = copying_eagle(target) if copying else random_heads(kind, target, torch.arange(40))
+    else:
+        heads = random_heads(kind, target, torch.arange(40), scale=0.0 if copying else 0.3)
     prompts = [[1, 5, 9, 2], [7, 3], [4, 4, 4, 4, 4, 8, 1]]
     common = dict(max_new_tokens=24, eos_ids={39})
     plain = plain_decode(target, prompts, pad_id=0, **common)
-    cpu = tree_decode(target, make_drafter("medusa", heads, target), prompts, budget=budget, pad_id=0, **common)
+    cpu = tree_decode(target, make_drafter(kind, heads, target), prompts, budget=budget, pad_id=0, **common)
     use_static_attention(target)
-    drafter = KINDS["medusa"].fast(heads, target, DraftOptions())
+    drafter = KINDS[kind].fast(heads, target, DraftOptions())
     out = fast_tree_decode(StaticModel(target, graphs=False), drafter, prompts, budget=budget, **common)
     assert out.tokens == plain.tokens
     assert (out.accepted_by_position, out.proposed_by_position) == (cpu.accepted_by_position, cpu.proposed_by_position)
     assert out.target_passes == cpu.target_passes
     if copying and budget > 1:
-        assert len(out.accepted_by_position) >= 3 and out.accepted_by_position[2] > 0  # paths 3 deep
+        assert out.accepted_by_position[1] > 0  # paths at least 2 deep
+    if copying and budget > 1 and kind == "medusa":
+        assert len(out.accepted_by_position) >= 3 and out.accepted_by_position[2] > 0  # and 3 deep
 
 
 def test_device_tree_layout_equals_the_host_one():

@@ -79,12 +79,13 @@ def test_every_kind_trains_and_eval_reports_it(tiny_target_dir, generated, tmp_p
     assert not any(kind in name for kind in positions for name in report["hf_methods"])
     assert report["int8_drafts"] == ["medusa"]  # EAGLE's error would compound; early exit is the target's layers
 
-    # The same run on the fast path (its static code on CPU): every chain and Medusa's trees on it.
+    # The same run on the fast path (its static code on CPU): every chain and tree on it.
     cfg = compose_config("target=hf", f"target.name_or_path={tiny_target_dir}", f"runs_dir={runs}", "run=h",
                          "data=file", f"data.path={prompts}", "eval.max_new_tokens=8", "eval.num_draft_tokens=2",
                          "eval.cuda_graphs=on", "eval.draft_int8=false", stage="eval")
     report = json.loads((evaluation.run(cfg) / "report.json").read_text())
-    assert report["fast_path"]["methods"] == ["plain", "ngram", "medusa", "eagle", "early_exit", "medusa_tree"]
+    assert report["fast_path"]["methods"] == ["plain", "ngram", "medusa", "eagle", "early_exit", "medusa_tree",
+                                                 "eagle_tree"]
     assert all(m["lossless"] is True for m in report["methods"].values())
     assert all(report["costs"]["draft_cost_ratio"][kind] > 0 for kind in positions)
 
