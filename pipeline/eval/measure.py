@@ -418,14 +418,22 @@ def median_seconds(steps: dict[Hashable, Callable[[], None]], sync_model, reps: 
     return {name: sorted(t)[len(t) // 2] for name, t in times.items()}
 
 
-def best_num_draft_tokens(rows: list[dict]) -> int:
-    """The sweep value to run a method at: the highest predicted speedup (its parts are τ, which
-    greedy decoding fixes, and the medians of interleaved cost timings), so that the choice does
-    not follow a sweep's wall-clock noise (one busy stretch can make any value look fastest).
-    Where some value has no prediction (chains that end early on confidence),
-    the highest measured tokens/s of the round-robin sweep."""
+NEAR_BEST = 0.03
+"""Predicted speedups this close (relative) count as equal: cost timings on a busy machine
+move them by a few percent, and among equals the smallest value is the cheapest to run."""
+
+
+def best_num_draft_tokens(rows: list[dict], near: float = NEAR_BEST) -> int:
+    """The sweep value to run a method at: the smallest whose predicted speedup is within `near`
+    of the highest (its parts are τ, which greedy decoding fixes, and the medians of interleaved
+    cost timings), so that the choice does not follow a sweep's wall-clock noise (one busy
+    stretch can make any value look fastest) nor the last percent of timing noise between
+    values that predict the same. Where some value has no prediction (chains that end early on
+    confidence), the highest measured tokens/s of the round-robin sweep."""
+    rows = sorted(rows, key=lambda r: r["num_draft_tokens"])
     if all(r["predicted_speedup"] is not None for r in rows):
-        return max(rows, key=lambda r: r["predicted_speedup"])["num_draft_tokens"]
+        best = max(r["predicted_speedup"] for r in rows)
+        return next(r for r in rows if r["predicted_speedup"] >= best * (1 - near))["num_draft_tokens"]
     return max(rows, key=lambda r: r["tokens_per_s"])["num_draft_tokens"]
 
 

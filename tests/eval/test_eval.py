@@ -8,7 +8,8 @@ from conftest import compose_config, make_tiny_target, run_cli, write_jsonl
 from pipeline import eval as evaluation
 from pipeline.errors import PipelineError
 from pipeline.eval.measure import (
-    Measurement, Method, Settings, expected_tokens_per_pass, greedy_divergences, make_decode, measure, predicted_speedup,
+    Measurement, Method, Settings, best_num_draft_tokens, expected_tokens_per_pass, greedy_divergences, make_decode,
+    measure, predicted_speedup,
 )
 from pipeline.models import load_target
 from pipeline.runs import MANIFEST, consumed, sha256_file, write_manifest
@@ -61,8 +62,7 @@ def test_eval_report_has_every_field_and_readable_plots(tiny_target_dir, draft_d
         sweep = report["sweeps"][name]
         assert [r["num_draft_tokens"] for r in sweep] == [1, 2]
         assert all(r["predicted_speedup"] > 0 for r in sweep)
-        best = max(sweep, key=lambda r: r["predicted_speedup"])
-        assert report["methods"][name]["num_draft_tokens"] == best["num_draft_tokens"]
+        assert report["methods"][name]["num_draft_tokens"] == best_num_draft_tokens(sweep)
         assert len(report["methods"][name]["acceptance_by_position"]) == report["methods"][name]["num_draft_tokens"]
     assert set(report["hf_methods"]) == {"hf_prompt_lookup", "hf_assisted"}
     assert report["costs"]["draft_cost_ratio"]["draft_model"] > 0
