@@ -6,9 +6,11 @@ CPU decode layout, in one process (interleaved repetitions, medians).
 A speculative step verifies k+1 tokens (a chain) or a token tree of any size in one target
 forward after the cached context; the speedup is τ over that forward's cost v (in plain
 decoding steps) plus the drafter's. Rows: the embedded target as transformers loads it;
-with the small-batch product (W @ x.T).T alone (kernels/linear.py); with oneDNN's reordered
-weights from 3 rows; and with SDPA's own grouped-query attention (kernels/gqa_attention.py), which
-together are what `stage=eval` uses (eval.decode_layout=true). The draft column is one
+its linear layers all through (W @ x.T).T, then all through oneDNN's reordered weights
+(kernels/linear.py); through the product measured fastest per shape and row count on this
+machine (the decode layout); and with SDPA's own grouped-query attention besides
+(kernels/gqa_attention.py), which is what `stage=eval` uses (eval.decode_layout=true). The
+products the decode layout chose follow the table. The draft column is one
 decoding step of a draft of the CPU recipe's shape (2 layers, an 8192-token LM head) under
 the same layout, in fp32 and with its linear layers in int8 (layout.int8_linears, what
 `stage=eval` does to draft models on CPU by default, eval.draft_int8=true).
@@ -44,10 +46,10 @@ def recipe_draft(target: torch.nn.Module, *, small_batch: bool, grouped: bool, i
     return draft
 
 
-def with_onednn_from(min_rows: int, step):
-    """`step` with the oneDNN product from `min_rows` rows (MAX_ROWS + 1: never)."""
+def with_product(product, step):
+    """`step` with every small-batch linear call through `product` (None: the measured one)."""
     def run() -> None:
-        layout.ONEDNN_MIN_ROWS = min_rows
+        layout.FORCE = product
         step()
 
     return run
@@ -65,22 +67,22 @@ def main() -> None:
     layout.decode_layout(small)
     full = copy.deepcopy(small)
     gqa_attention(full)
-    default_min_rows, never = layout.ONEDNN_MIN_ROWS, layout.MAX_ROWS + 1
-    configs = [  # name, target, draft's small-batch product and grouped-query attention, oneDNN from
-        ("nn.Linear, sdpa (as loaded)", loaded, (False, False), default_min_rows),
-        ("(W @ x.T).T", small, (True, False), never),
-        ("+ oneDNN from 3 rows", copy.deepcopy(small), (True, False), default_min_rows),
-        ("+ grouped-query SDPA (eval)", full, (True, True), default_min_rows),
+    configs = [  # name, target, draft's small-batch product and grouped-query attention, product
+        ("nn.Linear, sdpa (as loaded)", loaded, (False, False), None),
+        ("all (W @ x.T).T", small, (True, False), "columns"),
+        ("all oneDNN", copy.deepcopy(small), (True, False), "onednn"),
+        ("measured per shape and rows", copy.deepcopy(small), (True, False), None),
+        ("+ grouped-query SDPA (eval)", full, (True, True), None),
     ]
     steps = {}
-    for name, model, (small_batch, grouped), min_rows in configs:
+    for name, model, (small_batch, grouped), product in configs:
         for width in WIDTHS:
-            steps[name, width] = with_onednn_from(min_rows, forward_step(model, width, args.context))
+            steps[name, width] = with_product(product, forward_step(model, width, args.context))
         for int8 in (False, True):
             draft = recipe_draft(loaded, small_batch=small_batch, grouped=grouped, int8=int8)
-            steps[name, "draft", int8] = with_onednn_from(min_rows, forward_step(draft, 1, args.context))
+            steps[name, "draft", int8] = with_product(product, forward_step(draft, 1, args.context))
     seconds = median_seconds(steps, loaded, reps=args.reps)  # round-robin: drift touches all alike
-    layout.ONEDNN_MIN_ROWS = default_min_rows
+    layout.FORCE = None
 
     base = seconds[configs[0][0], 1]
     print(f"\nembedded target, context {args.context}, {torch.get_num_threads()} threads, medians of {args.reps}; "
@@ -93,6 +95,9 @@ def main() -> None:
         vs = " | ".join(f"{seconds[name, w] / one:.2f}" for w in WIDTHS)
         print(f"| {name} | {one * 1e3:.1f} | {base / one:.2f}x | {vs} | {seconds[name, 'draft', False] / one:.3f} "
               f"| {seconds[name, 'draft', True] / one:.3f} |")
+    print(f"\nThe decode layout's products by rows ({', '.join(map(str, layout.ROW_BUCKETS))}):")
+    for (out_features, in_features, dtype, _), chosen in sorted(layout._CHOICES.items(), key=str):
+        print(f"- {out_features}x{in_features} {str(dtype).replace('torch.', '')}: {' '.join(chosen)}")
 
 
 if __name__ == "__main__":

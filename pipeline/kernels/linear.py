@@ -2,40 +2,49 @@
 
 A decode step multiplies one to a few token rows by every weight matrix: it streams the
 weights from memory once and does little arithmetic, so a step of 5 rows should cost about
-what a step of 1 row costs. On CPU it does not with nn.Linear: x @ W.T goes to MKL's
-small-M GEMM, whose cost grows about linearly in the rows on small CPUs, so verifying k
-draft tokens costs several target forwards and eats the speculative gain.
+what a step of 1 row costs. Which CPU product does that best depends on the CPU: on a 2-core
+AVX2 EPYC, nn.Linear (MKL's small-M GEMM) grows about linearly in the rows and (W @ x.T).T
+is 1.4x faster at one row; on a 2-core AMX Xeon nn.Linear is 2x faster than (W @ x.T).T at one
+row and oneDNN's blocked product is fastest from 9 rows (`make bench-verify`, docs/).
 
-`decode_layout` switches a model's CPU nn.Linear modules to SmallBatchLinear, which runs
-inputs of at most MAX_ROWS rows through one of two products:
+So `decode_layout` switches a model's CPU nn.Linear modules to SmallBatchLinear, which runs
+inputs of at most MAX_ROWS rows through whichever of three products measured fastest on this
+machine for that weight's shape and that many rows:
 
-- One or two rows: (W @ x.T).T, with W in its usual [out, in] layout: MKL's kernel for a
-  wide matrix times a few columns, which streams W once. One row is run as two (the
-  single-column kernel is slower).
-- ONEDNN_MIN_ROWS (3) rows and more, for fp32 weights where PyTorch has oneDNN (and bf16
-  weights where the CPU has bf16 instructions, see onednn_dtypes):
-  oneDNN's linear on a copy of the weight reordered once into its blocked layout (the
-  kernel inductor uses for frozen CPU linears). Its cost is nearly flat in the rows, but
-  each call costs more to set up, so it loses below 3 rows. `make bench-verify` measures a
-  forward's cost by tokens verified for each of these products (its table is in docs/).
-  Each such layer keeps the reordered copy beside its weight (the model's linear weights
-  once more in memory), made on the first call and again whenever the weight changes (its
-  version or storage). Calls that need gradients use the first product.
+- `linear`: F.linear, as nn.Linear does;
+- `columns`: (W @ x.T).T, with W in its usual [out, in] layout: MKL's kernel for a wide
+  matrix times a few columns, which streams W once (one row is run as two: the
+  single-column kernel is slower);
+- `onednn`: oneDNN's linear on a copy of the weight reordered once into its blocked layout
+  (the kernel inductor uses for frozen CPU linears), for fp32 weights where PyTorch has
+  oneDNN and bf16 weights where the CPU has bf16 instructions (onednn_dtypes). A layer that
+  uses it keeps the reordered copy beside its weight (the weights once more in memory), made
+  on first use and again whenever the weight changes (its version or storage).
 
-Longer inputs (prompt prefill, training batches) and other devices keep F.linear. Weights,
-modules, state dicts and ties are untouched: the model computes the same function, and
-outputs differ from plain nn.Linear by float rounding alone.
+The choice is measured once per (shape, dtype, threads) at the first call, for row counts
+ROW_BUCKETS (a call takes the next bucket up): interleaved medians, and another product
+replaces F.linear only where it takes at most WIN of its time, so timing noise between
+near-equal products leaves F.linear in place. `FORCE` pins one product (benchmarks, tests).
+Longer inputs (prompt prefill, training batches), calls that need gradients and other
+devices keep F.linear. Weights, modules, state dicts and ties are untouched: the model
+computes the same function, and outputs differ from plain nn.Linear by float rounding alone.
 """
 
 from __future__ import annotations
 
 import functools
+import time
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
 MAX_ROWS = 64
-ONEDNN_MIN_ROWS = 3
+ROW_BUCKETS = (1, 2, 3, 5, 9, 17, 33, MAX_ROWS)
+WIN = 0.9
+FORCE: Optional[str] = None
+"""linear, columns or onednn: every small-batch call takes that product (None: the measured one)."""
+_CHOICES: dict[tuple, tuple[str, ...]] = {}  # (out, in, dtype, threads) -> a product per bucket
 
 
 @functools.cache
@@ -54,30 +63,77 @@ def onednn_dtypes() -> tuple[torch.dtype, ...]:
     return (torch.float32, torch.bfloat16) if bf16 is not None and bf16() else (torch.float32,)
 
 
+def columns_product(x2d: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """(W @ x.T).T for x2d [R, in] -> [R, out]."""
+    rows = x2d.shape[0]
+    if rows == 1:
+        x2d = torch.cat([x2d, x2d])
+    out = (weight @ x2d.t())[:, :rows].t().contiguous()
+    if bias is not None:
+        out += bias
+    return out
+
+
+def onednn_product(x2d: torch.Tensor, packed, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x2d, packed, bias, "none", [], "")
+
+
+@torch.inference_mode()
+def measure_products(weight: torch.Tensor, reps: int = 7) -> tuple[str, ...]:
+    """The product to use at each of ROW_BUCKETS for a weight of this shape and dtype: medians
+    of interleaved timings; F.linear unless another takes at most WIN of its time."""
+    w = torch.randn_like(weight)
+    packed = torch.ops.mkldnn._reorder_linear_weight(w, None) if w.dtype in onednn_dtypes() else None
+    chosen = []
+    for rows in ROW_BUCKETS:
+        x = torch.randn((rows, w.shape[1]), dtype=w.dtype)
+        calls = {"linear": lambda: F.linear(x, w), "columns": lambda: columns_product(x, w, None)}
+        if packed is not None:
+            calls["onednn"] = lambda: onednn_product(x, packed, None)
+        times: dict[str, list[float]] = {name: [] for name in calls}
+        for rep in range(reps + 1):
+            for name, call in calls.items():
+                t0 = time.perf_counter()
+                call()
+                if rep:  # the first round warms up
+                    times[name].append(time.perf_counter() - t0)
+        median = {name: sorted(t)[len(t) // 2] for name, t in times.items()}
+        best = min(median, key=median.get)
+        chosen.append(best if median[best] <= WIN * median["linear"] else "linear")
+    return tuple(chosen)
+
+
+def product_for(weight: torch.Tensor, rows: int) -> str:
+    if FORCE is not None:
+        return FORCE
+    key = (*weight.shape, weight.dtype, torch.get_num_threads())
+    if key not in _CHOICES:
+        _CHOICES[key] = measure_products(weight.detach())
+    return _CHOICES[key][next(i for i, b in enumerate(ROW_BUCKETS) if rows <= b)]
+
+
 class SmallBatchLinear(torch.nn.Linear):
-    """nn.Linear whose forward runs few-row CPU inputs through a small-batch product."""
+    """nn.Linear whose forward runs few-row CPU inputs through the product measured fastest."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1] if x.numel() else 0
-        if not 0 < rows <= MAX_ROWS or x.device.type != "cpu":
+        if (not 0 < rows <= MAX_ROWS or x.device.type != "cpu"
+                or (torch.is_grad_enabled() and (self.weight.requires_grad or x.requires_grad))):
             return F.linear(x, self.weight, self.bias)
-        packed = self._onednn_weight(x) if rows >= ONEDNN_MIN_ROWS else None
-        if packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")
+        product = product_for(self.weight, rows)
+        packed = self._onednn_weight(x) if product == "onednn" else None
+        if product == "linear" or (product == "onednn" and packed is None):
+            return F.linear(x, self.weight, self.bias)
         flat = x.reshape(rows, x.shape[-1])
-        if rows == 1:
-            flat = torch.cat([flat, flat])
-        out = (self.weight @ flat.t())[:, :rows].t().contiguous()
-        if self.bias is not None:
-            out += self.bias
+        out = onednn_product(flat, packed, self.bias) if packed is not None else columns_product(flat, self.weight,
+                                                                                                   self.bias)
         return out.view(*x.shape[:-1], self.out_features)
 
     def _onednn_weight(self, x: torch.Tensor):
         """The weight in oneDNN's layout, reordered again if the weight changed; None where the
-        oneDNN product does not apply (gradients, other dtypes, no oneDNN)."""
+        oneDNN product does not apply (other dtypes, no oneDNN)."""
         w = self.weight
-        if (x.dtype != w.dtype or w.dtype not in onednn_dtypes()
-                or (torch.is_grad_enabled() and (w.requires_grad or x.requires_grad))):
+        if x.dtype != w.dtype or w.dtype not in onednn_dtypes():
             return None
         key = (w.data_ptr(), w._version, w.dtype)
         cached = self.__dict__.get("_onednn")

@@ -242,9 +242,12 @@ def test_in_place_cache_matches_a_full_forward_after_crops_and_row_selection():
     torch.testing.assert_close(logits, full[:, 5:7], atol=1e-5, rtol=1e-4)
 
 
-def test_small_batch_linear_matches_nn_linear():
+@pytest.mark.parametrize("product", [None, "linear", "columns", "onednn"])
+def test_small_batch_linear_matches_nn_linear(product, monkeypatch):
+    from pipeline.kernels import linear
     from pipeline.kernels.linear import MAX_ROWS, SmallBatchLinear
 
+    monkeypatch.setattr(linear, "FORCE", product)  # None: the product measured fastest here
     torch.manual_seed(0)
     for bias in (False, True):
         plain = torch.nn.Linear(48, 80, bias=bias)
@@ -260,9 +263,11 @@ def test_small_batch_linear_matches_nn_linear():
 
 
 @pytest.mark.skipif(not onednn_available(), reason="PyTorch built without oneDNN")
-def test_small_batch_linear_onednn_copy_follows_the_weight():
+def test_small_batch_linear_onednn_copy_follows_the_weight(monkeypatch):
+    from pipeline.kernels import linear
     from pipeline.kernels.linear import SmallBatchLinear
 
+    monkeypatch.setattr(linear, "FORCE", "onednn")
     torch.manual_seed(0)
     plain = torch.nn.Linear(48, 80)
     fast = copy.deepcopy(plain)
