@@ -14,6 +14,7 @@ from typing import Callable, Hashable, Optional
 
 import torch
 
+from pipeline.config import TIMING_NOISE
 from pipeline.data.chat import first_prompt_ids, next_turn_ids
 from pipeline.data.sources import Conversation
 from pipeline.decode import DecodeResult, plain_decode, speculative_decode, tree_decode
@@ -418,17 +419,13 @@ def median_seconds(steps: dict[Hashable, Callable[[], None]], sync_model, reps: 
     return {name: sorted(t)[len(t) // 2] for name, t in times.items()}
 
 
-NEAR_BEST = 0.03
-"""Predicted speedups this close (relative) count as equal: cost timings on a busy machine
-move them by a few percent, and among equals the smallest value is the cheapest to run."""
-
-
-def best_num_draft_tokens(rows: list[dict], near: float = NEAR_BEST) -> int:
+def best_num_draft_tokens(rows: list[dict], near: float = TIMING_NOISE) -> int:
     """The sweep value to run a method at: the smallest whose predicted speedup is within `near`
     of the highest (its parts are τ, which greedy decoding fixes, and the medians of interleaved
     cost timings), so that the choice does not follow a sweep's wall-clock noise (one busy
     stretch can make any value look fastest) nor the last percent of timing noise between
-    values that predict the same. Where some value has no prediction (chains that end early on
+    values that predict the same (among equals the smallest is the cheapest to run). Where some
+    value has no prediction (chains that end early on
     confidence), the highest measured tokens/s of the round-robin sweep."""
     rows = sorted(rows, key=lambda r: r["num_draft_tokens"])
     if all(r["predicted_speedup"] is not None for r in rows):

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from pipeline.config import Config
+from pipeline.config import TIMING_NOISE, Config
 from pipeline.errors import PipelineError
 from pipeline.export.bundle import BUNDLE_JSON, CHECKSUMS, FORMAT_VERSION, write_checksums
 from pipeline.files import MARKER, atomic_dir
@@ -319,14 +319,14 @@ def methods_table(report: dict, exported: str) -> str:
         rows.append(f"  {name:<22} {m['num_draft_tokens']:>3} {tau:>6} {m['tokens_per_s']:>8.2f} "
                     f"{m['speedup_vs_plain']:>8.2f}x{mark}")
     best = report["methods"][exported]
-    if best["speedup_vs_plain"] <= 1.0:
+    if best["speedup_vs_plain"] < 1.0 + TIMING_NOISE:  # closer to plain than timing noise: not faster
         k = best["num_draft_tokens"]
         costs = report.get("costs", {})
         verify = costs.get("verify_cost_by_k", {}).get(str(k))
         cost = (f": a pass yields {best['tau']:.2f} tokens but costs {verify:.2f} target forwards to verify "
                 f"{k + 1} tokens" + (f" plus {k * best['draft_cost_ratio']:.2f} to draft them"
                                      if best.get("draft_cost_ratio") else "")) if verify and best["tau"] else ""
-        rows.append(f"  no method beats plain decoding on this machine (fastest {exported}, "
+        rows.append(f"  no method beats plain decoding by more than timing noise on this machine (fastest {exported}, "
                     f"{best['speedup_vs_plain']:.2f}x){cost}; a trained draft accepts more: "
                     "`python -m pipeline stage=all experiment=recipe_cpu` (see docs/)")
     else:

@@ -336,7 +336,9 @@ def test_auto_exports_the_fastest_method_and_an_ngram_bundle_evaluates_as_measur
     assert json.loads((auto / "bundle.json").read_text())["measured"]["method"] == fastest
     printed = capsys.readouterr().out
     assert f"{fastest}" in printed and "<- fastest, exported" in printed
-    assert ("fastest: " in printed) != ("no method beats plain decoding on this machine" in printed)
+    beats = candidates[fastest]["speedup_vs_plain"] >= 1.03  # closer to plain is timing noise
+    assert ("fastest: " in printed) == beats
+    assert ("no method beats plain decoding by more than timing noise" in printed) == (not beats)
     for name in candidates:
         assert name in printed
 
