@@ -241,8 +241,7 @@ class EvalConfig:
     acceptance, every target and draft forward replayed from a captured CUDA graph) for plain
     decoding and every chain (ngram, draft_model, medusa, eagle, early_exit). auto: on CUDA
     devices, the CPU path elsewhere; on: also on CPU (the same static code, without graphs);
-    off: the CPU path's decoder everywhere. Greedy Medusa and EAGLE trees too; sampled trees
-    keep the CPU path's decoder for now."""
+    off: the CPU path's decoder everywhere. Medusa and EAGLE trees too, greedy and sampled."""
     decode_layout: bool = True
     """On CPU, our decoder runs few-row inputs of every linear layer through a small-batch
     product (pipeline/kernels/linear.py) and grouped-query attention without copying the cache

@@ -3,8 +3,8 @@
     kind         trained by   a bundle holds             trees  int8 on CPU  fast path (CUDA)
     ngram        -            nothing (settings only)    -      -            yes
     draft_model  distill      draft/  (HF folder)        -      yes          yes
-    medusa       heads        heads/  + medusa/          yes    yes          yes (greedy trees)
-    eagle        heads        heads/  + eagle3/, speculators/  yes  - (its features feed back)  yes (greedy trees)
+    medusa       heads        heads/  + medusa/          yes    yes          yes (and trees)
+    eagle        heads        heads/  + eagle3/, speculators/  yes  - (its features feed back)  yes (and trees)
     early_exit   heads        heads/                     -      - (mostly the target's layers)  yes
 
 Adding a kind touches this table and one drafter module in pipeline/decode/. The names come
@@ -77,7 +77,7 @@ class Kind:
     """Like `drafter`, for the fast path's chains (static caches, fixed shapes); None: the kind
     decodes on the CPU path's decoder even where the fast path is on."""
     fast_trees: bool = False
-    """Its fast drafter also proposes greedy token trees on the fast path."""
+    """Its fast drafter also proposes token trees on the fast path."""
 
     def trained_folder(self, runs_dir: str | Path, run: str) -> Path:
         if self.trained_by == "distill":

@@ -149,12 +149,63 @@ def greedy_walk_on_device(tokens: torch.Tensor, parents: torch.Tensor, anc: torc
     return end, depth[end], best[end], (parent[1:] == end).any()
 
 
+def sampling_walk_on_device(tokens: torch.Tensor, parents: torch.Tensor, logits: torch.Tensor, max_depth: int,
+                            temperature: float, top_p: float, generator: Optional[torch.Generator]):
+    """`walk` when sampling, on the device, one fixed step per depth: at each node its children
+    are tried in order, child x accepted with probability p(x) / (the mass not yet removed) and
+    its mass removed when rejected (a duplicate token is never accepted twice); when none is
+    accepted the next token is drawn from what remains. The same rule as `walk`, with the
+    children of a node decided together from one uniform each. Returns (path [max_depth + 1]:
+    root first, then the accepted nodes, then repeats of the last; tokens accepted; the next
+    token; whether the last node reached had children), all on the device."""
+    probs = process_logits(logits, temperature, top_p)  # [N+1, V]
+    n = len(tokens)
+    index = torch.arange(n + 1, device=tokens.device)
+    parent = torch.cat([index[:1], parents + 1])
+    node_tokens = torch.cat([tokens.new_full((1,), 0), tokens])
+    is_child = (parent[None, :] == index[:, None]) & (index[None, :] > 0)  # [N+1, N+1] j is a child of i
+    children = torch.sort(torch.where(is_child, index, n + 1 + index), dim=1).indices  # children first, in order
+    node = index[0]
+    path, going = [node], torch.ones((), dtype=torch.bool, device=tokens.device)
+    accepted = torch.zeros((), dtype=torch.long, device=tokens.device)
+    following = torch.zeros((), dtype=torch.long, device=tokens.device)
+    had_kids = torch.zeros((), dtype=torch.bool, device=tokens.device)
+    for _ in range(max_depth + 1):
+        p = probs[node]  # [V]
+        kids = children[node]  # [N+1]
+        real = is_child[node][kids]  # [N+1]
+        kid_tokens = node_tokens[kids]
+        repeat = ((kid_tokens[None, :] == kid_tokens[:, None]) & real[None, :]
+                  & (index[None, :] < index[:, None])).any(dim=1)  # the token came earlier among the siblings
+        first = real & ~repeat
+        mass = torch.where(first, p[kid_tokens], 0.0)
+        removed_before = torch.cumsum(mass, dim=0) - mass
+        u = torch.rand(n + 1, generator=generator, device=tokens.device)
+        accept = first & (u * (p.sum() - removed_before) < mass)
+        found = accept.any()
+        chosen = kids[accept.long().argmax()]
+        tried = torch.zeros_like(p).scatter_add(0, kid_tokens, first.to(p.dtype))  # [V] > 0: a child's token
+        residual = torch.where(tried > 0, 0.0, p)
+        residual = torch.where(residual.sum() > 0, residual, p)  # only drawn from where nothing was accepted
+        drawn = torch.multinomial(residual / residual.sum(), 1, generator=generator)[0]
+        stop = going & ~found
+        following = torch.where(stop, drawn, following)
+        had_kids = torch.where(going, real.any(), had_kids)
+        accepted = accepted + (going & found).long()
+        node = torch.where(going & found, chosen, node)
+        going = going & found
+        path.append(node)
+    return torch.stack(path[: max_depth + 1]), accepted, following, had_kids
+
+
 @torch.inference_mode()
 def fast_tree_decode(target, drafter, prompts: list[list[int]], *, budget: int, max_new_tokens: int,
-                     eos_ids: set[int]) -> DecodeResult:
-    """Greedy token-tree decoding on the fast path (static caches, a captured verification per
-    tree size, the walk and the accepted path's cache compaction on the device, one small
-    device->host copy a round), one prompt at a time: tree_decode's outputs and counts."""
+                     eos_ids: set[int], temperature: float = 0.0, top_p: float = 1.0,
+                     generator: Optional[torch.Generator] = None) -> DecodeResult:
+    """Token-tree decoding on the fast path (static caches, a captured verification per tree
+    size, the walk and the accepted path's cache compaction on the device, one small
+    device->host copy a round), one prompt at a time: tree_decode's outputs and counts when
+    greedy, its distribution when sampling."""
     device = target.device
     layers = tuple(drafter.feature_layers)
     out_tokens, passes, proposed, accepted = [], [], [], []
@@ -166,7 +217,7 @@ def fast_tree_decode(target, drafter, prompts: list[list[int]], *, budget: int, 
         rows = Rows([prompt], max_new_tokens, eos_ids)
         out = target.prefill(seqs.tokens, seqs.lengths, layers)
         logits, features = out if layers else (out, None)
-        first = logits.argmax(dim=-1)
+        first = next_token(logits, temperature, top_p, generator)
         seqs.tokens[0, len(prompt)] = first[0]
         seqs.lengths += 1
         drafter.start(seqs, target.max_len)
@@ -186,10 +237,14 @@ def fast_tree_decode(target, drafter, prompts: list[list[int]], *, budget: int, 
             inputs.tree.copy_(anc)
             out = verify()
             logits, features = out if layers else (out, None)
-            end, num_accepted, new, has_kids = greedy_walk_on_device(proposal.tokens, proposal.parents, anc, depth,
-                                                                     logits[0])
-            # The accepted path, root first, then the other nodes (stale past the path's end).
-            path = torch.sort(torch.where(anc[end], depth, n + 1 + depth)).indices[: max_depth + 1]
+            if temperature == 0:
+                end, num_accepted, new, has_kids = greedy_walk_on_device(proposal.tokens, proposal.parents, anc,
+                                                                         depth, logits[0])
+                # The accepted path, root first, then the other nodes (stale past the path's end).
+                path = torch.sort(torch.where(anc[end], depth, n + 1 + depth)).indices[: max_depth + 1]
+            else:
+                path, num_accepted, new, has_kids = sampling_walk_on_device(
+                    proposal.tokens, proposal.parents, logits[0], max_depth, temperature, top_p, generator)
             target.cache.move(inputs.start, path[None], len(path))
             node_tokens = torch.cat([inputs.tokens[0, :1], proposal.tokens])
             emitted = torch.cat([node_tokens[path[1:]], new[None]]).scatter(0, num_accepted[None], new[None])

@@ -116,12 +116,11 @@ def make_decode(drafter: str, settings: Settings, num_draft_tokens: Optional[int
         return hf_decode(drafter, settings, num_draft_tokens, draft_model)
     kind, tree = kind_of_method(drafter)
     options = dataclasses.replace(s.drafting, temperature=s.temperature, top_p=s.top_p, generator=generator)
-    if s.fast is not None and on_fast_path(kind, tree, s.temperature):
+    if s.fast is not None and on_fast_path(kind, tree):
         # One drafter for every call: its static cache and captured forwards are kept.
         made = kind.fast(draft_model, s.model, dataclasses.replace(options, graphs=s.fast.graphs))
         if tree:
-            return lambda prompts: fast_tree_decode(s.fast, made, prompts, budget=num_draft_tokens,
-                                                    max_new_tokens=s.max_new_tokens, eos_ids=s.eos_ids)
+            return lambda prompts: fast_tree_decode(s.fast, made, prompts, budget=num_draft_tokens, **fast)
         return lambda prompts: fast_decode(s.fast, made, prompts, num_draft_tokens=num_draft_tokens, **fast)
     make = lambda: kind.drafter(draft_model, s.model, options)  # a fresh drafter (and its caches) per call
     if tree:
@@ -131,10 +130,10 @@ def make_decode(drafter: str, settings: Settings, num_draft_tokens: Optional[int
                                               generator=generator, **common)
 
 
-def on_fast_path(kind, tree: bool, temperature: float) -> bool:
+def on_fast_path(kind, tree: bool) -> bool:
     """Whether a method of this Kind decodes on the fast path where it is on: its chains, and
-    its greedy trees where its fast drafter makes them (the rest: the CPU path's decoder)."""
-    return kind.fast is not None and (not tree or (kind.fast_trees and temperature == 0))
+    its trees where its fast drafter makes them (the rest: the CPU path's decoder)."""
+    return kind.fast is not None and (not tree or kind.fast_trees)
 
 
 def hf_decode(kind: str, settings: Settings, num_draft_tokens: Optional[int], draft_model) -> Decode:

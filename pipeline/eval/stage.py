@@ -337,7 +337,7 @@ def run(cfg: Config) -> Path:
         tie_epsilon=tie_epsilon(next(target.model.parameters()).dtype),
         confidence_threshold=ev.confidence_threshold, int8_drafts=[n for n in int8 if is_int8(models[n])],
         fast_path=dict(cuda_graphs=graphs, methods=["plain", *(n for n, _, _ in spec
-                                                            if on_fast_path(*kind_of_method(n), ev.temperature))]
+                                                            if on_fast_path(*kind_of_method(n)))]
                        if fast else []),
         baselines=dict(plain=dict(tokens_per_s=plain.total.tokens_per_s, tokens=plain.total.tokens,
                                   seconds=plain.total.seconds),

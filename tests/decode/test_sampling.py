@@ -232,22 +232,32 @@ def test_tree_acceptance_samples_the_target_distribution(temperature, top_p):
     assert_matches(second_after_0, process_logits(logits[1], temperature, top_p), "second token after token 0")
 
 
+@pytest.mark.parametrize("fast", [False, True])
 @pytest.mark.parametrize("kind, temperature, top_p", [("medusa", 1.0, 1.0), ("eagle", 0.8, 0.95)])
-def test_tree_decoding_samples_the_target_distribution(kind, temperature, top_p):
+def test_tree_decoding_samples_the_target_distribution(kind, temperature, top_p, fast):
     """End to end through tree_decode: heads with random weights propose trees (Medusa's static
     tree, EAGLE-2's dynamic one), one target pass verifies each, and the emitted tokens are
     distributed as the target's own samples. Each prompt is decoded alone (batch size 1), so
-    fewer samples than the chain test: the power check is against a 4% error."""
-    from pipeline.decode.tree import tree_decode
+    fewer samples than the chain test: the power check is against a 4% error. `fast`: the same
+    on the fast path (the walk on the device: fast_tree_decode)."""
+    from pipeline.decode.static_kv import StaticModel, use_static_attention
+    from pipeline.decode.tree import fast_tree_decode, tree_decode
 
     target = sharp_llama(0, scale=15.0)
     prompt = lookup_prompt(target)
     length, n = 2, 6_000
     gen = torch.Generator().manual_seed(1)
-    drafter = make_drafter(kind, random_heads(kind, target), target, temperature=temperature, top_p=top_p, generator=gen,
-                           tree_depth=2, tree_topk=2)
-    out = tree_decode(target, drafter, [prompt] * n, budget=4, max_new_tokens=length, eos_ids=set(), pad_id=0,
-                      temperature=temperature, top_p=top_p, generator=gen)
+    options = dict(temperature=temperature, top_p=top_p, generator=gen, tree_depth=2, tree_topk=2)
+    if fast:
+        use_static_attention(target)
+        drafter = KINDS[kind].fast(random_heads(kind, target), target, DraftOptions(**options))
+        out = fast_tree_decode(StaticModel(target, graphs=False), drafter, [prompt] * n, budget=4,
+                               max_new_tokens=length, eos_ids=set(), temperature=temperature, top_p=top_p,
+                               generator=gen)
+    else:
+        drafter = make_drafter(kind, random_heads(kind, target), target, **options)
+        out = tree_decode(target, drafter, [prompt] * n, budget=4, max_new_tokens=length, eos_ids=set(), pad_id=0,
+                          temperature=temperature, top_p=top_p, generator=gen)
     accepted, proposed = out.accepted_by_position, out.proposed_by_position
     assert accepted[0] > n / 20 and proposed[0] - accepted[0] > n / 20, (proposed, accepted)
     seqs = torch.tensor(out.tokens)  # [N, length]
