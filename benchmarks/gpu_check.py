@@ -86,7 +86,7 @@ def decode_part(target, mtbench, max_new_tokens: int, graphs: bool) -> dict:
     model, tok = target.model, target.tokenizer
     hf = copy.deepcopy(model)  # transformers' methods on the model exactly as transformers loads it
     use_static_attention(model)
-    eos = set(eos_token_ids(model, tok))
+    eos = set(eos_token_ids(model.generation_config, tok))
     fast = Settings(model=model, tokenizer=tok, eos_ids=eos, max_new_tokens=max_new_tokens,
                     fast=StaticModel(model, graphs=graphs))
     eager = Settings(model=model, tokenizer=tok, eos_ids=eos, max_new_tokens=max_new_tokens, hf_model=hf)
@@ -146,7 +146,7 @@ def batch_part(target, sharegpt, batch: int, max_new_tokens: int, graphs: bool) 
     from pipeline.decode.static_kv import StaticModel
 
     tok = target.tokenizer
-    eos = set(eos_token_ids(target.model, tok))
+    eos = set(eos_token_ids(target.generation_config, tok))
     prompts = [first_prompt_ids(tok, c)[-512:] for c in sharegpt[: 2 * batch]]
     fast = StaticModel(target.model, graphs=graphs)
     continuous_decode(fast, prompts[:batch], batch_size=batch, max_new_tokens=4, eos_ids=eos)  # capture

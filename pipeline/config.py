@@ -23,6 +23,7 @@ HEAD_KINDS = METHODS[2:]
 DATA_SOURCES = ("sharegpt", "mtbench", "file")
 SPLITS = ("train", "eval", "all")
 FAST_PATH = ("auto", "on", "off")
+GENERATE_BACKENDS = ("local", "server")
 TIMING_NOISE = 0.03
 """Relative speed differences below this are within timing noise on a busy machine: eval
 treats num_draft_tokens values predicted this close as equal, export does not call a method
@@ -84,11 +85,20 @@ class TargetConfig:
     """Run modeling code shipped with a hub model. Off unless you trust its author."""
     cache_dir: Optional[str] = None
     """Converted targets and fingerprints; default $SPECDRAFT_CACHE or ~/.cache/specdraft."""
+    device_map: Optional[str] = None
+    """auto: split a target larger than one device over every GPU (then CPU memory, then disk)
+    with accelerate's big-model loading, in place of target.device; null: one device."""
+    max_memory: Optional[dict[str, str]] = None
+    """With device_map=auto, the most each device may hold, e.g. {0: 70GiB, 1: 70GiB, cpu: 200GiB}."""
 
     def __post_init__(self) -> None:
         _check_choice("target.dtype", self.dtype, DTYPES)
         if not DEVICE.fullmatch(self.device):
             raise ValueError(f"target.device={self.device!r} is not a device: auto, cpu, cuda or cuda:N")
+        if self.device_map not in (None, "auto"):
+            raise ValueError(f"target.device_map={self.device_map!r} is not auto or null")
+        if self.max_memory is not None and self.device_map is None:
+            raise ValueError("target.max_memory needs target.device_map=auto")
 
 
 @dataclass
@@ -129,6 +139,40 @@ class DataConfig:
 
 
 @dataclass
+class ServerConfig:
+    """generate.backend=server: the OpenAI-compatible endpoints (vLLM, SGLang, llama.cpp) that
+    serve the target."""
+
+    urls: list[str] = field(default_factory=list)
+    """Base URLs ending in /v1, e.g. [http://node1:8000/v1, http://node2:8000/v1]; conversations
+    are spread over them. Not part of the plan: a restarted server may move."""
+    model: Optional[str] = None
+    """The served model id; null: the first one the first URL lists at /models."""
+    concurrency: int = 64
+    """Conversations in flight at once, over all URLs (each sends its turns in order)."""
+    timeout_s: float = 600.0
+    """Longest wait for one answer."""
+    retries: int = 3
+    """A failed request (connection error, timeout, 5xx, 429) is tried again this many times,
+    on the next URL, after backoff_s, 2 * backoff_s, ...; a conversation still failing is
+    skipped and counted (skipped_records.server_failed)."""
+    backoff_s: float = 1.0
+    api_key_env: Optional[str] = None
+    """The environment variable that holds the API key (sent as a bearer token); the key itself
+    never goes in a config, the manifest or a log."""
+
+    def __post_init__(self) -> None:
+        _check_finite("generate.server", self)
+        for name in ("concurrency", "timeout_s"):
+            _check_positive(f"generate.server.{name}", getattr(self, name))
+        if self.retries < 0 or self.backoff_s < 0:
+            raise ValueError("generate.server.retries and backoff_s must be >= 0")
+        for url in self.urls:
+            if not re.fullmatch(r"https?://[^/\s]+(/\S*)?", url):
+                raise ValueError(f"generate.server.urls: {url!r} is not an http(s) URL like http://host:8000/v1")
+
+
+@dataclass
 class GenerateConfig:
     """The generate stage: the target regenerates every assistant turn."""
 
@@ -159,9 +203,20 @@ class GenerateConfig:
     """The decoder's fast path (see eval.cuda_graphs) with continuous batching: batch_size rows
     decode at once, a row whose answer ended takes the next prompt. auto: on CUDA; on: also on
     CPU (no graphs); off: our batched plain decoder, whose batch shrinks as rows finish."""
+    backend: str = "local"
+    """local: the target decodes in this process (our decoder); server: OpenAI-compatible
+    serving engines answer (generate.server), for targets that need one."""
+    server: ServerConfig = field(default_factory=ServerConfig)
 
     def __post_init__(self) -> None:
         _check_finite("generate", self)
+        _check_choice("generate.backend", self.backend, GENERATE_BACKENDS)
+        if self.backend == "server":
+            if not self.server.urls:
+                raise ValueError("generate.backend=server needs generate.server.urls=[http://host:port/v1, ...]")
+            if self.target_answers < 1.0:
+                raise ValueError("generate.backend=server regenerates every answer: set generate.target_answers=1 "
+                                 "(scoring the source's answers needs the local backend)")
         for name in ("max_new_tokens", "batch_size", "shard_size", "max_length"):
             _check_positive(f"generate.{name}", getattr(self, name))
         if self.temperature < 0:

@@ -36,6 +36,8 @@ class Target:
     folder: Path
     """The local folder the weights were loaded from (the converted cache for GGUF)."""
     cache_dir: Path
+    generation_config: Optional[object] = None
+    """The model's GenerationConfig (its end-of-turn ids), also where the weights were not loaded."""
 
     @property
     def device(self) -> torch.device:
@@ -166,9 +168,15 @@ def load_target(
     device: str = "auto",
     trust_remote_code: bool = False,
     cache_dir: Optional[str] = None,
+    device_map: Optional[str] = None,
+    max_memory: Optional[dict] = None,
+    weights: bool = True,
 ) -> Target:
-    """Load the target model and tokenizer in eval mode on `device`."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """Load the target model and tokenizer in eval mode on `device`, or with device_map=auto
+    split over the devices `max_memory` allows (accelerate's big-model loading; the plan is
+    logged before the weights load). weights=False: the tokenizer and generation config only
+    (model None), for a stage whose target runs elsewhere."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     cache = cache_root(cache_dir)
     folder = local_target_folder(name_or_path, gguf_file, cache)
@@ -178,7 +186,13 @@ def load_target(
     kwargs = dict(revision=revision, trust_remote_code=trust_remote_code)
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype, **kwargs)
+        model = None
+        if weights and device_map:
+            split = plan_device_map(source, torch_dtype, max_memory, kwargs)
+            model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype, device_map=split,
+                                                         offload_folder=str(cache / "offload"), **kwargs)
+        elif weights:
+            model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype, **kwargs)
     except (OSError, ValueError) as e:
         if folder is not None:
             raise PipelineError(f"cannot load target from {folder}: {_first_line(e)}") from None
@@ -191,10 +205,43 @@ def load_target(
         ) from None
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    model.to(torch_device).eval()
+    if model is not None:
+        if not device_map:
+            model.to(torch_device)
+        model.eval()
+        generation_config = model.generation_config
+    else:
+        try:
+            generation_config = GenerationConfig.from_pretrained(source, **kwargs)
+        except OSError:  # none shipped: the tokenizer's eos alone ends a turn
+            generation_config = None
     if folder is None:
         folder = _hub_snapshot_folder(name_or_path, revision)
-    return Target(model=model, tokenizer=tokenizer, name=name_or_path, folder=folder, cache_dir=cache)
+    return Target(model=model, tokenizer=tokenizer, name=name_or_path, folder=folder, cache_dir=cache,
+                  generation_config=generation_config)
+
+
+def plan_device_map(source: str, dtype: torch.dtype, max_memory: Optional[dict], kwargs: dict) -> dict:
+    """Where each module of the target goes under `max_memory` (accelerate's
+    infer_auto_device_map over an empty model), logged per device before anything loads."""
+    from accelerate import infer_auto_device_map, init_empty_weights
+    from accelerate.utils import compute_module_sizes
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(source, **kwargs)
+    with init_empty_weights():
+        empty = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    empty.tie_weights()
+    memory = {int(k) if str(k).isdigit() else k: v for k, v in (max_memory or {}).items()} or None
+    split = infer_auto_device_map(empty, max_memory=memory, dtype=dtype,
+                                  no_split_module_classes=getattr(empty, "_no_split_modules", None) or [])
+    sizes = compute_module_sizes(empty, dtype=dtype)
+    planned: dict[str, int] = {}
+    for module, device in split.items():
+        planned[str(device)] = planned.get(str(device), 0) + sizes[module]
+    print("target: planned memory " + ", ".join(f"{device} {size / 2**20:,.1f} MiB" for device, size in planned.items()),
+          flush=True)
+    return split
 
 
 def _first_line(e: BaseException) -> str:

@@ -59,10 +59,11 @@ def next_turn_ids(
     return encode(tokenizer, tail)
 
 
-def eos_token_ids(model, tokenizer) -> list[int]:
-    """Every id that ends a turn: the generation config's (int or list) and the tokenizer's."""
+def eos_token_ids(generation_config, tokenizer) -> list[int]:
+    """Every id that ends a turn: the generation config's (int or list; it may be None) and
+    the tokenizer's."""
     ids: set[int] = set()
-    configured: Optional[object] = getattr(model.generation_config, "eos_token_id", None)
+    configured: Optional[object] = getattr(generation_config, "eos_token_id", None)
     if isinstance(configured, int):
         ids.add(configured)
     elif configured:

@@ -181,7 +181,7 @@ def regenerate(
     int32 / float16) from decoding; a source row gets them from topk_logits.
     """
     model, tokenizer = target.model, target.tokenizer
-    eos_list = eos_token_ids(model, tokenizer)
+    eos_list = eos_token_ids(target.generation_config, tokenizer)
     eos_ids = set(eos_list)
     keep = [keeps_source_answers(c, target_answers) for c in conversations]
     end_of_turn = end_of_turn_id(tokenizer, eos_list) if any(keep) else None
@@ -268,6 +268,11 @@ def plan_key(cfg: Config, fingerprint: str) -> dict:
     gen = dataclasses.asdict(cfg.generate)
     for free in ("batch_size", "overwrite", "cuda_graphs"):  # safe to change between restarts
         gen.pop(free)
+    if gen["backend"] == "local":  # the default: keeps plans from before the option
+        gen.pop("backend")
+        gen.pop("server")
+    else:  # where and how fast the server answers does not change what it answers
+        gen["server"] = {"model": gen["server"]["model"]}
     if gen["target_answers"] == 1.0:  # the default: keeps plans (and run folders) from before the option
         gen.pop("target_answers")
     data = dataclasses.asdict(cfg.data)
@@ -289,10 +294,11 @@ def run(cfg: Config) -> Path:
 
     if cfg.data.source == "file":  # fail before the minutes a large target takes to load
         check_file(Path(cfg.data.path).expanduser())
-    target = load_target(**dataclasses.asdict(cfg.target))
+    remote = cfg.generate.backend == "server"
+    target = load_target(**dataclasses.asdict(cfg.target), weights=not remote)
     fingerprint = target.fingerprint()
     plan = plan_key(cfg, fingerprint)
-    fast, graphs = fast_path(cfg.generate.cuda_graphs, target.device.type)
+    fast, graphs = (False, False) if remote else fast_path(cfg.generate.cuda_graphs, target.device.type)
     static = None
     if fast:
         use_static_attention(target.model)
@@ -342,7 +348,12 @@ def run(cfg: Config) -> Path:
         bar.update(turns)
         bar.set_postfix(tok_s=f"{counts['tokens'] / max(bar.format_dict['elapsed'], 1e-9):.1f}")
 
-    for s in todo:
+    if remote and todo:
+        try:
+            generate_remotely(cfg, target, {s: shards[s] for s in todo}, shards_dir, progress)
+        finally:
+            bar.close()  # before an error's line
+    for s in [] if remote else todo:
         # A shard's seed depends only on its index: a resumed or re-split run samples the same.
         torch.manual_seed(cfg.seed * 1_000_003 + s)
         shard_t0, shard_tokens = time.perf_counter(), counts["tokens"]
@@ -368,8 +379,10 @@ def run(cfg: Config) -> Path:
         num_rows, num_tokens, num_scored, dropped = merge_shards(
             [shards_dir / shard_name(s) for s in range(len(shards))], dataset_dir)
         skipped = Counter(data.skipped)
-        skipped["too_long_for_max_length"] += dropped.pop("too_long_for_max_length", 0)
+        for reason in ("too_long_for_max_length", "server_failed"):
+            skipped[reason] += dropped.pop(reason, 0)
         skipped = {reason: n for reason, n in sorted(skipped.items()) if n}
+        tokens = {name: dropped.pop(name, 0) for name in ROUND_TRIP}
         if not num_rows:
             raise PipelineError(f"generate: no conversation fits generate.max_length={gen.max_length} with "
                                 f"max_new_tokens={gen.max_new_tokens} (skipped records: {skipped})")
@@ -382,7 +395,11 @@ def run(cfg: Config) -> Path:
             "cut_turns": {reason: n for reason, n in dropped.items() if n},
             "num_processes": state.num_processes,
             "plan_hash": plan_hash,
+            "backend": gen.backend,
         }
+        if remote:
+            summary["server"] = dict(model=server_model(shards_dir), urls=list(gen.server.urls),
+                                     answer_tokens=tokens)
         write_manifest(
             work, stage=STAGE, config=dataclasses.asdict(cfg), target_fingerprint=fingerprint,
             outputs={f"dataset/{k}": v for k, v in hash_tree(dataset_dir).items()},
@@ -399,6 +416,13 @@ def run(cfg: Config) -> Path:
                  f"; {cut} later turns cut by generate.max_length" if cut else "")
         print(example(dataset_dir, target.tokenizer))
         scored = f" + {num_scored} scored source tokens" if num_scored else ""
+        if remote:
+            failed = skipped.get("server_failed", 0)
+            scored = (f" from {summary['server']['model']} ({tokens['round_tripped']} answer tokens round-trip "
+                      f"through the tokenizer, {tokens['not_round_tripped']} do not and are not learned"
+                      + (f", {tokens['end_of_turn_without_logprobs']} ends of turn without logprobs" if
+                         tokens['end_of_turn_without_logprobs'] else "")
+                      + (f"; {failed} conversations skipped after failed requests" if failed else "") + ")")
         print(f"generate: {num_rows} conversations, {num_tokens} generated tokens{scored} -> {dataset_dir}")
     tracker.finish()
     state.wait_for_everyone()
@@ -417,6 +441,43 @@ def example(dataset_dir: Path, tokenizer, width: int = 300) -> str:
     answer = " ".join(tokenizer.decode(row["input_ids"][start:end], skip_special_tokens=True).split())
     kind = "regenerated" if row["answers"] == "target" else "scored source"
     return f"first {kind} answer ({row['source']} {row['id']}): {answer[:width]}{' ...' if len(answer) > width else ''}"
+
+
+ROUND_TRIP = ("round_tripped", "not_round_tripped", "end_of_turn_without_logprobs")
+SERVER = "server.json"
+
+
+def generate_remotely(cfg: Config, target: Target, shards: dict[int, list[Conversation]], shards_dir: Path,
+                      progress: Callable[[int, int], None]) -> None:
+    """generate.backend=server: the shards' conversations answered by the server (data/server.py),
+    each shard written as it completes, the served model id in SERVER beside them."""
+    from pipeline.data.server import Pieces, ServerGone, Settings, generate_shards
+
+    gen, tok = cfg.generate, target.tokenizer
+    eos_list = eos_token_ids(target.generation_config, tok)
+    settings = Settings(tokenizer=tok, pieces=Pieces(tok), max_new_tokens=gen.max_new_tokens,
+                        temperature=gen.temperature, top_p=gen.top_p, max_length=gen.max_length,
+                        max_turns=cfg.data.max_turns, topk=gen.save_topk_logits,
+                        end_of_turn=end_of_turn_id(tok, eos_list), eos_ids=set(eos_list), seed=cfg.seed)
+    probe = tok.decode(first_prompt_ids(tok, Conversation(id="probe", source="", user_turns=["Hello"])))
+    done = []
+
+    def write(index: int, rows: list[dict], counts: Counter, model: str) -> None:
+        if not done:
+            atomic_write_json(shards_dir / SERVER, dict(model=model))
+        write_shard(shards_dir / shard_name(index), rows, gen.save_topk_logits, counts)
+        done.append(index)
+
+    try:
+        generate_shards(gen.server, shards, settings, write, probe, progress)
+    except ServerGone as e:
+        raise PipelineError(f"{e}; {len(done)} of {len(shards)} shards were finished and are kept: restart the "
+                            f"server and run the same command again to resume") from None
+
+
+def server_model(shards_dir: Path) -> Optional[str]:
+    path = shards_dir / SERVER
+    return json.loads(path.read_text())["model"] if path.is_file() else None
 
 
 def shard_name(index: int) -> str:

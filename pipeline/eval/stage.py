@@ -230,7 +230,7 @@ def run(cfg: Config) -> Path:
         log.info("fast path: static KV caches%s for plain decoding and the chains of %s",
                  ", CUDA graphs" if graphs else " (no CUDA graphs on this device)",
                  ", ".join(name for name, kind in KINDS.items() if kind.fast is not None))
-    settings = Settings(model=target.model, tokenizer=tok, eos_ids=set(eos_token_ids(target.model, tok)),
+    settings = Settings(model=target.model, tokenizer=tok, eos_ids=set(eos_token_ids(target.generation_config, tok)),
                         max_new_tokens=ev.max_new_tokens, temperature=ev.temperature, top_p=ev.top_p,
                         seed=cfg.seed, hf_model=hf_model, drafting=DraftOptions(
                             ngram_max=ev.ngram_max, ngram_min=ev.ngram_min, tree_depth=ev.tree_depth,

@@ -19,7 +19,7 @@ def setup():
     tok = target.tokenizer
     convs = load_conversations("mtbench", limit=24).conversations[::8]  # 3 categories
     prompts = [first_prompt_ids(tok, c) for c in convs]
-    eos = set(eos_token_ids(target.model, tok))
+    eos = set(eos_token_ids(target.generation_config, tok))
     plain = [plain_decode(target.model, [p], max_new_tokens=MAX_NEW_TOKENS, eos_ids=eos,
                           pad_id=tok.pad_token_id).tokens[0] for p in prompts]
     return target, prompts, eos, plain

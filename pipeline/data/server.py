@@ -1,0 +1,394 @@
+"""generate.backend=server: the target's answers from OpenAI-compatible serving engines (vLLM,
+SGLang, llama.cpp) instead of our decoder, with the rows `local` writes.
+
+Each conversation's turns go in order to one of the URLs through `/completions` with the text
+of our chat template's rendering as the prompt (the server applies no template of its own).
+The answer's text is tokenized again with the target's tokenizer; a token is kept for
+learning (loss mask 1) only where it round-trips: the server generated a token with the same
+characters at the same place (or, where the server gives ids, the same id), since only there
+are the stored ids what the target produced and the server's top-k its distribution there.
+
+Top-k comes from `top_logprobs`: log-probabilities are the logits minus one constant per
+position (log Σ exp logits), which the KD losses' softmax over the top-k removes, so they are
+stored in the top-k logits column unchanged (docs/generate.md; tests/data/test_server.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import os
+import re
+from collections import Counter
+from dataclasses import dataclass
+from typing import Awaitable, Callable, Optional
+
+import numpy as np
+
+from pipeline.errors import PipelineError
+
+log = logging.getLogger(__name__)
+TOKEN_ID = re.compile(r"token_id:(\d+)")
+"""vLLM's --return-tokens-as-token-ids form of a token."""
+RETRY_STATUS = {408, 429, 500, 502, 503, 504}
+
+
+class ServerGone(PipelineError):
+    """No URL answers any more: the run stops (its finished shards stay) until a restart."""
+
+
+class RequestFailed(Exception):
+    """One request failed after its retries; the conversation is skipped and counted."""
+
+
+@dataclass
+class Completion:
+    text: str
+    finished: bool
+    """The server stopped at an end of turn (finish_reason "stop"), not at max_tokens."""
+    tokens: list[str]
+    """The generated tokens as the server names them (their text, or vLLM's token_id:N)."""
+    top: list[dict[str, float]]
+    """Per generated token, its top_logprobs (token -> log-probability); [] when not asked."""
+
+
+def first_line(text: str, width: int = 200) -> str:
+    line = " ".join(str(text).split())
+    return line[:width] + ("..." if len(line) > width else "")
+
+
+class Client:
+    """The endpoints of generate.server: requests spread round-robin, retried with backoff on
+    the next URL; `check` before the run, `complete` per turn."""
+
+    def __init__(self, server, *, topk: int) -> None:
+        import httpx
+
+        self.urls = [u.rstrip("/") for u in server.urls]
+        self.server, self.topk = server, topk
+        self.model: Optional[str] = server.model
+        headers = {}
+        if server.api_key_env:
+            key = os.environ.get(server.api_key_env)
+            if not key:
+                raise PipelineError(f"generate.server.api_key_env={server.api_key_env} but that environment "
+                                    "variable is not set")
+            headers["Authorization"] = f"Bearer {key}"
+        limits = httpx.Limits(max_connections=server.concurrency, max_keepalive_connections=server.concurrency)
+        self.http = httpx.AsyncClient(headers=headers, timeout=httpx.Timeout(server.timeout_s, connect=10.0),
+                                      limits=limits)
+        self.turn = 0
+
+    async def close(self) -> None:
+        await self.http.aclose()
+
+    async def check(self, probe_prompt: str) -> str:
+        """Every URL answers /models (one line naming the first that does not); the model id to
+        ask for; and a one-token request with the top-k asked for (a k the server refuses is one
+        line naming both)."""
+        import httpx
+
+        for url in self.urls:
+            try:
+                response = await self.http.get(f"{url}/models", timeout=10.0)
+            except httpx.HTTPError as e:
+                raise PipelineError(f"generate.server.urls: cannot reach {url}/models ({type(e).__name__}: "
+                                    f"{first_line(e) or 'no answer'}); start the server or fix the URL") from None
+            if response.status_code != 200:
+                raise PipelineError(f"generate.server.urls: {url}/models answered HTTP {response.status_code}: "
+                                    f"{first_line(response.text)}")
+            if self.model is None:
+                served = [m.get("id") for m in response.json().get("data", [])]
+                if not served:
+                    raise PipelineError(f"{url}/models lists no model; set generate.server.model=<id>")
+                self.model = served[0]
+        try:
+            await self.complete(probe_prompt, max_tokens=1, temperature=0.0, top_p=1.0, seed=None)
+        except RequestFailed as e:
+            if self.topk and "logprob" in str(e).lower():
+                raise PipelineError(f"generate.save_topk_logits={self.topk} is more top_logprobs than the server "
+                                    f"allows ({e}); lower it, or raise the server's limit (vLLM: --max-logprobs)") from None
+            raise PipelineError(f"generate.server: a one-token request for model {self.model!r} failed: {e}") from None
+        return self.model
+
+    def body(self, prompt: str, max_tokens: int, temperature: float, top_p: float, seed: Optional[int]) -> dict:
+        body = dict(model=self.model, prompt=prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                    logprobs=max(self.topk, 1), stream=False)
+        if seed is not None:
+            body["seed"] = seed
+        return body
+
+    async def complete(self, prompt: str, *, max_tokens: int, temperature: float, top_p: float,
+                       seed: Optional[int]) -> Completion:
+        import httpx
+
+        body = self.body(prompt, max_tokens, temperature, top_p, seed)
+        failures = []
+        for attempt in range(self.server.retries + 1):
+            if attempt:
+                await asyncio.sleep(self.server.backoff_s * 2 ** (attempt - 1))
+            url = self.urls[self.turn % len(self.urls)]
+            self.turn += 1
+            try:
+                response = await self.http.post(f"{url}/completions", json=body)
+            except httpx.HTTPError as e:
+                failures.append(f"{url}: {type(e).__name__}")
+                continue
+            if response.status_code in RETRY_STATUS:
+                failures.append(f"{url}: HTTP {response.status_code}")
+                continue
+            if response.status_code != 200:
+                raise RequestFailed(f"{url}: HTTP {response.status_code} {first_line(response.text)}")
+            try:
+                return parse_completion(response.json())
+            except (ValueError, KeyError, IndexError, TypeError) as e:
+                failures.append(f"{url}: unreadable answer ({type(e).__name__}: {first_line(e, 80)})")
+        if not await self.any_alive():
+            raise ServerGone(f"generate.server: no URL answers any more ({'; '.join(failures[-2:])})")
+        raise RequestFailed("; ".join(failures[-3:]))
+
+    async def any_alive(self) -> bool:
+        import httpx
+
+        for url in self.urls:
+            try:
+                if (await self.http.get(f"{url}/models", timeout=10.0)).status_code == 200:
+                    return True
+            except httpx.HTTPError:
+                pass
+        return False
+
+
+def parse_completion(answer: dict) -> Completion:
+    choice = answer["choices"][0]
+    logprobs = choice.get("logprobs") or {}
+    tokens = list(logprobs.get("tokens") or [])
+    top = [dict(t or {}) for t in (logprobs.get("top_logprobs") or [])]
+    return Completion(text=choice["text"], finished=choice.get("finish_reason") == "stop", tokens=tokens, top=top)
+
+
+class Pieces:
+    """The target tokenizer's text of each token id, for mapping the server's token strings
+    back to ids (only strings that exactly one id decodes to)."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        texts = tokenizer.batch_decode([[i] for i in range(len(tokenizer))])
+        counts = Counter(texts)
+        self.text = texts
+        self.id_of = {t: i for i, t in enumerate(texts) if counts[t] == 1 and t}
+
+    def id(self, token: str) -> Optional[int]:
+        named = TOKEN_ID.fullmatch(token)
+        return int(named.group(1)) if named else self.id_of.get(token)
+
+
+@dataclass
+class Answer:
+    ids: list[int]
+    mask: list[int]
+    """1 where the token round-trips (learned), 0 where it does not."""
+    topk_ids: Optional[np.ndarray] = None
+    """[sum(mask), k] int32 / float16, the server's top_logprobs at the learned tokens."""
+    topk_logits: Optional[np.ndarray] = None
+
+
+def answer_from(completion: Completion, pieces: Pieces, encode: Callable[[str], list[int]], eos_ids: set[int],
+                end_of_turn: int, topk: int, counts: Counter) -> Answer:
+    """The answer as target token ids with its loss mask (and top-k rows for the learned
+    tokens), counting round_tripped / not_round_tripped tokens (and
+    end_of_turn_without_logprobs) in `counts`.
+
+    Server ids (vLLM's token_id:N) are the answer itself. Otherwise the text is tokenized
+    again and a token round-trips where the server generated a token of the same text at the
+    same character offset. A finished answer ends with an end-of-turn token, as a local one
+    does; the server's text leaves it out, and its top-k is the server's entry after the text
+    (a trailing token of no text, or a stop id) where there is one.
+    """
+    tokens = completion.tokens
+    top_of: list[Optional[int]] = []  # per answer token: its index in the server's tokens (None: no round trip)
+    end_top: Optional[int] = None
+    if tokens and all(TOKEN_ID.fullmatch(t) for t in tokens):
+        ids = [pieces.id(t) for t in tokens]
+        top_of = list(range(len(ids)))
+        if completion.finished and ids[-1] in eos_ids:
+            ids, top_of, end_top = ids[:-1], top_of[:-1], len(ids) - 1
+    else:
+        ids = encode(completion.text)
+        served, offset = {}, 0
+        for j, text in enumerate(tokens):
+            served.setdefault((offset, text), j)
+            offset += len(text)
+        offset = 0
+        for i in ids:
+            text = pieces.text[i]
+            top_of.append(served.get((offset, text)) if text else None)
+            offset += len(text)
+        end_top = served.get((len(completion.text), ""))
+    learned = [j is not None for j in top_of]
+    counts["round_tripped"] += sum(learned)
+    counts["not_round_tripped"] += len(learned) - sum(learned)
+    rows = [j for j in top_of if j is not None]
+    mask = [int(k) for k in learned]
+    if completion.finished:
+        ids = ids + [end_of_turn]
+        learnable = not topk or (end_top is not None and end_top < len(completion.top))
+        mask.append(int(learnable))
+        if not learnable:
+            counts["end_of_turn_without_logprobs"] += 1
+        elif topk:
+            rows.append(end_top)
+    answer = Answer(ids, mask)
+    if topk:
+        answer.topk_ids, answer.topk_logits = top_arrays(
+            [completion.top[j] if j < len(completion.top) else {} for j in rows], pieces, topk)
+    return answer
+
+
+def top_arrays(rows: list[dict[str, float]], pieces: Pieces, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """[len(rows), k] ids and log-probabilities, best first; an alternative whose token maps to
+    no single id, or a row with fewer than k, is filled with -inf (no probability)."""
+    ids = np.zeros((len(rows), k), dtype=np.int32)
+    values = np.full((len(rows), k), -np.inf, dtype=np.float16)
+    for r, top in enumerate(rows):
+        mapped = sorted(((lp, pieces.id(t)) for t, lp in top.items() if pieces.id(t) is not None
+                         and lp is not None and math.isfinite(lp)), reverse=True)
+        seen = set()
+        col = 0
+        for lp, i in mapped:
+            if i in seen or col == k:
+                continue
+            seen.add(i)
+            ids[r, col], values[r, col] = i, lp
+            col += 1
+    return ids, values
+
+
+async def run_all(items: list, work: Callable[[object], Awaitable[None]], concurrency: int) -> None:
+    """work(item) for every item, at most `concurrency` at once; the first ServerGone (or any
+    other error) cancels the rest and is raised."""
+    queue = iter(items)
+
+    async def worker() -> None:
+        for item in queue:
+            await work(item)
+
+    tasks = [asyncio.ensure_future(worker()) for _ in range(min(concurrency, len(items)))]
+    try:
+        await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+@dataclass
+class Settings:
+    """What every conversation of a run is generated with."""
+
+    tokenizer: object
+    pieces: Pieces
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    max_length: int
+    max_turns: Optional[int]
+    topk: int
+    end_of_turn: int
+    eos_ids: set[int]
+    seed: int
+
+
+def turn_seed(seed: int, conv_id: str, turn: int) -> int:
+    import hashlib
+
+    return int(hashlib.sha256(f"{seed}/{conv_id}/{turn}".encode()).hexdigest()[:7], 16)
+
+
+async def converse(client: Client, conv, s: Settings, counts: Counter,
+                   progress: Optional[Callable[[int, int], None]] = None) -> Optional[dict]:
+    """One conversation, its turns in order (each sees the target's earlier answers): its row
+    as the local backend writes it, or None when its first turn does not fit max_length.
+    Counts cut turns and whole conversations dropped in `counts` as regenerate does."""
+    from pipeline.data.chat import encode, first_prompt_ids, next_turn_ids
+
+    tok = s.tokenizer
+    num_turns = min(len(conv.user_turns), s.max_turns or len(conv.user_turns))
+    ids, mask, answers = [], [], []
+    top_ids, top_logits = [], []
+    done = 0
+    for turn in range(num_turns):
+        if turn == 0:
+            new = first_prompt_ids(tok, conv)
+        else:
+            new = next_turn_ids(tok, conv, turn, answers, ids[-1], s.eos_ids)
+        if len(ids) + len(new) + s.max_new_tokens > s.max_length:
+            counts["turns_cut_by_max_length"] += num_turns - turn
+            counts["too_long_for_max_length"] += turn == 0
+            if progress:
+                progress(num_turns - turn, 0)
+            break
+        context = ids + new
+        completion = await client.complete(tok.decode(context), max_tokens=s.max_new_tokens,
+                                           temperature=s.temperature, top_p=s.top_p,
+                                           seed=turn_seed(s.seed, conv.id, turn))
+        answer = answer_from(completion, s.pieces, lambda text: encode(tok, text), s.eos_ids, s.end_of_turn, s.topk,
+                             counts)
+        mask += [0] * len(new) + answer.mask
+        ids = context + answer.ids
+        answers.append(tok.decode(answer.ids, skip_special_tokens=True))
+        if s.topk:
+            top_ids.append(answer.topk_ids)
+            top_logits.append(answer.topk_logits)
+        done += 1
+        if progress:
+            progress(1, len(answer.ids))
+    if not done:
+        return None
+    row = dict(id=conv.id, source=conv.source, category=conv.category, num_turns=done, answers="target",
+               input_ids=ids, loss_mask=mask)
+    if s.topk:
+        row["topk_ids"] = np.concatenate(top_ids)
+        row["topk_logits"] = np.concatenate(top_logits)
+    return row
+
+
+def generate_shards(server, shards: dict[int, list], s: Settings,
+                    write: Callable[[int, list[dict], Counter, str], None], probe_prompt: str,
+                    progress: Optional[Callable[[int, int], None]] = None) -> str:
+    """Check the endpoints (Client.check), then every conversation of `shards` (index ->
+    conversations) through them, at most server.concurrency in flight; write(index, rows in
+    order, counts) as each shard completes. A conversation whose request still fails after its
+    retries is skipped and counted (server_failed); ServerGone stops the run, the shards
+    written so far stay. write also gets the served model id, which this returns."""
+    order = [(index, position, conv) for index, convs in shards.items() for position, conv in enumerate(convs)]
+    rows = {index: [None] * len(convs) for index, convs in shards.items()}
+    left = {index: len(convs) for index, convs in shards.items()}
+    counts = {index: Counter() for index in shards}
+
+    async def main() -> str:
+        client = Client(server, topk=s.topk)
+        model = ""
+
+        async def one(item) -> None:
+            index, position, conv = item
+            try:
+                rows[index][position] = await converse(client, conv, s, counts[index], progress)
+            except RequestFailed as e:
+                counts[index]["server_failed"] += 1
+                log.warning("generate: conversation %s skipped after %d tries: %s", conv.id, server.retries + 1, e)
+            left[index] -= 1
+            if not left[index]:
+                write(index, [r for r in rows[index] if r is not None], counts[index], model)
+
+        try:
+            model = await client.check(probe_prompt)
+            log.info("generate: %s from %s, %d conversations in flight", model, ", ".join(client.urls),
+                     server.concurrency)
+            await run_all(order, one, server.concurrency)
+            return model
+        finally:
+            await client.close()
+
+    return asyncio.run(main())

@@ -1,0 +1,297 @@
+"""generate.backend=server against a small OpenAI-compatible server on 127.0.0.1 that runs a
+tiny target (tests/data/fake_server.py): the same dataset as the local backend, top-k from
+log-probabilities, retries, counted skips, one-line errors, and resume after kill -9 of the
+client or the death of the server. tests/data/test_llama_server.py runs a real engine."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import datasets
+import pytest
+import torch
+
+from conftest import CHATML, REPO, compose_config, write_jsonl
+from fake_server import FakeServer, Faults
+from pipeline.data import generate
+from pipeline.errors import PipelineError
+from pipeline.runs import MANIFEST
+
+
+def ascii_chat_tokenizer():
+    """Printable ASCII and newline, one token each, and ChatML specials: every token's text is
+    its own, so a greedy answer's text tokenizes back to the same ids."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    level = _byte_level_chars()
+    vocab = {level[b]: i for i, b in enumerate([*range(32, 127), ord("\n")])}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok)
+    fast.add_special_tokens({"eos_token": "<|im_end|>", "pad_token": "<|im_end|>",
+                             "additional_special_tokens": ["<|im_start|>"]})
+    fast.chat_template = CHATML
+    return fast
+
+
+def _byte_level_chars() -> list[str]:
+    """GPT-2's byte -> printable character table, in byte order."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    chars, extra = [], 0
+    for b in range(256):
+        if b in keep:
+            chars.append(chr(b))
+        else:
+            chars.append(chr(256 + extra))
+            extra += 1
+    return chars
+
+
+@pytest.fixture(scope="module")
+def ascii_target(tmp_path_factory) -> Path:
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    folder = tmp_path_factory.mktemp("ascii_target")
+    tok = ascii_chat_tokenizer()
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, tie_word_embeddings=True,
+                         initializer_range=0.3)  # varied answers (at 0.02 a random model repeats one token)
+    torch.manual_seed(1)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():  # the end of turn wins where "|" would, so some answers end early
+        model.lm_head.weight[tok.eos_token_id] = 1.5 * model.lm_head.weight[tok.convert_tokens_to_ids("|")]
+    model.generation_config = GenerationConfig(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    model.save_pretrained(folder, safe_serialization=True)
+    tok.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture
+def prompts(tmp_path) -> Path:
+    records = [{"id": f"p{i}", "messages": [{"role": "user", "content": f"question {i}" + "?" * (i % 3)},
+                                            {"role": "assistant", "content": "an answer"},
+                                            {"role": "user", "content": f"and then {i}"}]}
+               for i in range(10)]
+    return write_jsonl(tmp_path / "prompts.jsonl", records)
+
+
+def overrides(target, data, runs, *extra):
+    return ["target=hf", f"target.name_or_path={target}", "data=file", f"data.path={data}", f"runs_dir={runs}",
+            "run=t", "generate.max_new_tokens=12", "generate.shard_size=3", *extra]
+
+
+def server(url, *extra):
+    return ["generate.backend=server", f"generate.server.urls=[{url}]", "generate.server.backoff_s=0.05", *extra]
+
+
+def rows(out: Path) -> list[dict]:
+    return datasets.load_from_disk(str(out / "dataset")).to_list()
+
+
+@pytest.mark.parametrize("ids", [False, True], ids=["token-text", "token-ids"])
+def test_the_server_backend_writes_the_local_backends_dataset(ascii_target, prompts, tmp_path, ids):
+    """Greedy, the same target: the same ids, turns and (where the server gives the end of
+    turn's logprobs) masks; top-k ids equal and log-probabilities = logits − a constant per row."""
+    local = generate.run(compose_config(*overrides(ascii_target, prompts, tmp_path, "generate.save_topk_logits=4")))
+    fake = FakeServer(ascii_target, ids=ids)
+    try:
+        remote = generate.run(compose_config(*overrides(ascii_target, prompts, tmp_path, "run=s",
+                                                        "generate.save_topk_logits=4", *server(fake.url))))
+    finally:
+        fake.stop()
+    want, got = rows(local), rows(remote)
+    assert [r["id"] for r in got] == [r["id"] for r in want] == [f"p{i}" for i in range(10)]
+    eos = ascii_chat_tokenizer().eos_token_id
+    finished = 0
+    for w, g in zip(want, got):
+        assert g["input_ids"] == w["input_ids"] and g["num_turns"] == w["num_turns"] == 2
+        ends = [t for t, token in enumerate(w["input_ids"]) if token == eos and w["loss_mask"][t]]
+        finished += len(ends)
+        # llama.cpp names no end-of-turn token: that one token is not learned with top-k
+        expect = [0 if t in ends and not ids else m for t, m in enumerate(w["loss_mask"])]
+        assert g["loss_mask"] == expect
+        keep = [i for i, t in enumerate(t for t, m in enumerate(w["loss_mask"]) if m) if ids or t not in ends]
+        w_ids, w_top = torch.tensor(w["topk_ids"])[keep], torch.tensor(w["topk_logits"])[keep]
+        g_ids, g_top = torch.tensor(g["topk_ids"]), torch.tensor(g["topk_logits"])
+        assert torch.equal(g_ids, w_ids)
+        shift = w_top - g_top  # log Σ exp logits, one value per row
+        assert torch.allclose(shift, shift[:, :1].expand_as(shift), atol=2e-2)
+    assert finished  # some answers end with an end-of-turn token
+    manifest = json.loads((remote / MANIFEST).read_text())
+    tokens = manifest["server"]["answer_tokens"]
+    assert manifest["backend"] == "server" and manifest["server"]["model"] == "tiny-target"
+    assert manifest["server"]["urls"] == [fake.url]
+    assert tokens["not_round_tripped"] == 0 and tokens["round_tripped"] > 0
+    assert tokens["end_of_turn_without_logprobs"] == (0 if ids else finished)
+
+
+def test_kd_losses_are_equal_on_logits_and_on_log_probabilities():
+    """The stored top-k of the server is log p = logit − log Σ exp logits: every KD loss over the
+    top-k sees the same distribution."""
+    from pipeline.distill.losses import Teacher, distill_loss
+
+    torch.manual_seed(0)
+    logits = torch.randn(7, 50) * 3
+    student = torch.randn(7, 50)
+    top = logits.topk(5, dim=-1)
+    logprobs = torch.log_softmax(logits, dim=-1).gather(-1, top.indices)
+    for kind in ("forward_kl", "reverse_kl", "jsd", "tv"):
+        on_logits = distill_loss(kind, student, Teacher(top.values, top.indices), top.indices[:, 0])
+        on_logprobs = distill_loss(kind, student, Teacher(logprobs, top.indices), top.indices[:, 0])
+        assert torch.allclose(on_logits, on_logprobs, atol=1e-6), kind
+
+
+def test_a_token_that_does_not_round_trip_is_not_learned_and_is_counted():
+    from pipeline.data.server import Answer, Completion, Pieces, answer_from
+
+    tok = ascii_chat_tokenizer()
+    pieces = Pieces(tok)
+    encode = lambda text: tok(text, add_special_tokens=False)["input_ids"]
+    # The server split "ab" into one token "ab" that our tokenizer does not have: a and b
+    # are not what it generated; "c" and "d" are.
+    done = Completion(text="abcd", finished=True, tokens=["ab", "c", "d", ""],
+                      top=[{"ab": -0.1}, {"c": -0.2, "x": -3.0}, {"d": -0.3}, {"<|im_end|>": -0.01}])
+    counts = Counter()
+    answer = answer_from(done, pieces, encode, {tok.eos_token_id}, tok.eos_token_id, 2, counts)
+    assert answer.ids == encode("abcd") + [tok.eos_token_id]
+    assert answer.mask == [0, 0, 1, 1, 1]
+    assert counts == Counter(round_tripped=2, not_round_tripped=2)
+    assert answer.topk_ids.tolist() == [[pieces.id("c"), pieces.id("x")], [pieces.id("d"), 0],
+                                        [tok.eos_token_id, 0]]
+    assert answer.topk_logits[1, 1] == float("-inf")  # fewer than k: no probability
+    assert isinstance(answer, Answer)
+
+
+def test_retries_skips_and_counts(ascii_target, prompts, tmp_path):
+    """500s, dropped connections and answers slower than the timeout are retried; a
+    conversation that keeps failing is skipped and counted; the rest are all there."""
+    faults = Faults(fail_first=1, drop_first=1, slow_first=1, slow_s=1.5, always_fail="question 4")
+    fake = FakeServer(ascii_target, faults)
+    try:
+        out = generate.run(compose_config(*overrides(ascii_target, prompts, tmp_path, *server(
+            fake.url, "generate.server.timeout_s=0.5", "generate.server.retries=3", "generate.server.concurrency=4"))))
+    finally:
+        fake.stop()
+    got = rows(out)
+    assert [r["id"] for r in got] == [f"p{i}" for i in range(10) if i != 4]
+    manifest = json.loads((out / MANIFEST).read_text())
+    assert manifest["skipped_records"] == {"server_failed": 1}
+    assert all(n == 4 for prompt, n in faults.seen.items() if "question 4" not in prompt)  # 3 failures, then an answer
+    assert all(n == 4 for prompt, n in faults.seen.items() if "question 4" in prompt)  # 4 failures: skipped
+
+
+def test_bad_server_settings_are_one_line(ascii_target, prompts, tmp_path, monkeypatch):
+    from pipeline.__main__ import main  # noqa: F401  (the CLI's error path is tested in test_cli)
+
+    fake = FakeServer(ascii_target, Faults(max_logprobs=5))
+    try:
+        with pytest.raises(PipelineError, match=r"generate.save_topk_logits=8 is more top_logprobs than "
+                                                r"the server allows \(http://127.0.0.1:\d+/v1: HTTP 400 .*max_logprobs 5"):
+            generate.run(compose_config(*overrides(ascii_target, prompts, tmp_path, "generate.save_topk_logits=8",
+                                                   *server(fake.url))))
+        with pytest.raises(PipelineError, match="generate.server.api_key_env=NO_SUCH_KEY_VAR but that environment"):
+            generate.run(compose_config(*overrides(ascii_target, prompts, tmp_path, "run=k",
+                                                   *server(fake.url, "generate.server.api_key_env=NO_SUCH_KEY_VAR"))))
+    finally:
+        fake.stop()
+    dead = fake.url  # nothing listens there any more
+    with pytest.raises(PipelineError, match=rf"cannot reach {dead}/models \(ConnectError"):
+        generate.run(compose_config(*overrides(ascii_target, prompts, tmp_path, "run=d", *server(dead))))
+    with pytest.raises(ValueError, match="needs generate.server.urls"):
+        compose_config(*overrides(ascii_target, prompts, tmp_path, "generate.backend=server"))
+
+
+def test_the_key_comes_from_the_environment_and_is_written_nowhere(ascii_target, prompts, tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECDRAFT_TEST_KEY", "sk-secret-123")
+    fake = FakeServer(ascii_target)
+    seen = []
+    real = fake.answer
+
+    def answer(body, handler):
+        seen.append(handler.headers.get("Authorization"))
+        return real(body, handler)
+
+    fake.answer = answer
+    try:
+        out = generate.run(compose_config(*overrides(ascii_target, prompts, tmp_path, "data.limit=2", *server(
+            fake.url, "generate.server.api_key_env=SPECDRAFT_TEST_KEY"))))
+    finally:
+        fake.stop()
+    assert seen and set(seen) == {"Bearer sk-secret-123"}
+    for path in out.parent.rglob("*"):
+        if path.is_file():
+            assert b"sk-secret-123" not in path.read_bytes(), path
+
+
+def cli(*args):
+    return [sys.executable, "-m", "pipeline", "stage=generate", *args]
+
+
+@pytest.fixture
+def many(tmp_path) -> Path:
+    return write_jsonl(tmp_path / "many.jsonl", [{"id": f"p{i}", "prompt": f"prompt {i}"} for i in range(24)])
+
+
+def test_kill_9_of_the_client_then_rerun_gives_every_conversation_once(ascii_target, many, tmp_path):
+    fake = FakeServer(ascii_target, Faults(delay_s=0.05))
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    args = overrides(ascii_target, many, tmp_path, *server(fake.url, "generate.server.concurrency=2"))
+    shards = tmp_path / "t" / "generate" / "shards"
+    try:
+        with open(tmp_path / "killed.log", "w") as log:
+            proc = subprocess.Popen(cli(*args), cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT)
+            deadline = time.monotonic() + 300
+            while len(list(shards.glob("shard-*"))) < 2 and time.monotonic() < deadline and proc.poll() is None:
+                time.sleep(0.02)
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+        finished = {int(p.name.removeprefix("shard-")) for p in shards.glob("shard-*")}
+        done_before = len(finished)
+        assert 2 <= done_before < 8, (tmp_path / "killed.log").read_text()[-3000:]
+        time.sleep(0.5)  # requests the killed client sent are all in
+        asked_before = len(fake.requests)
+        again = subprocess.run(cli(*args), cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+        assert again.returncode == 0, again.stderr[-3000:]
+        assert f"({done_before} already done)" in again.stdout + again.stderr
+    finally:
+        fake.stop()
+    got = rows(tmp_path / "t" / "generate")
+    assert [r["id"] for r in got] == [f"p{i}" for i in range(24)]
+    # the finished shards were not asked again (the rerun's one extra request: its one-token check)
+    asked = [r["prompt"] for r in fake.requests[asked_before:] if r["max_tokens"] > 1]
+    assert sorted(asked) == sorted(f"<|im_start|>user\nprompt {i}<|im_end|>\n<|im_start|>assistant\n"
+                                   for i in range(24) if i // 3 not in finished)
+
+
+def test_a_server_that_dies_stops_the_run_in_one_line_and_the_rerun_completes(ascii_target, many, tmp_path):
+    fake = FakeServer(ascii_target, Faults(die_after=10))
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    args = overrides(ascii_target, many, tmp_path, *server(fake.url, "generate.server.concurrency=1",
+                                                            "generate.server.retries=1"))
+    died = subprocess.run(cli(*args), cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert died.returncode == 1, died.stderr[-2000:]
+    last = died.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: generate.server: no URL answers any more") and "restart the server" in last
+    assert "Traceback" not in died.stderr
+    assert not (tmp_path / "t" / "generate" / MANIFEST).exists()
+    kept = len(list((tmp_path / "t" / "generate" / "shards").glob("shard-*")))
+    assert kept >= 1
+    restarted = FakeServer(ascii_target)  # on another port: the URLs are not part of the plan
+    try:
+        again = subprocess.run(cli(*[a.replace(fake.url, restarted.url) for a in args]), cwd=tmp_path, env=env,
+                               capture_output=True, text=True, timeout=600)
+    finally:
+        restarted.stop()
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"({kept} already done)" in again.stdout + again.stderr
+    assert [r["id"] for r in rows(tmp_path / "t" / "generate")] == [f"p{i}" for i in range(24)]
