@@ -101,3 +101,13 @@ def test_export_does_not_import_eval():
             reach.add(nxt)
             todo.append(nxt)
     assert not any(m.startswith("pipeline.eval") for m in reach), sorted(m for m in reach if "eval" in m)
+
+
+def test_training_stages_share_the_loop_not_each_other():
+    """distill and heads both train through pipeline/training.py; neither stage imports the other."""
+    graph = import_graph()
+    for stage in ("pipeline.distill.stage", "pipeline.heads.stage"):
+        assert "pipeline.training" in graph[stage], stage
+    assert "pipeline.distill.stage" not in graph["pipeline.heads.stage"]
+    assert "pipeline.heads.stage" not in graph["pipeline.distill.stage"]
+    assert not any(m.startswith(("pipeline.distill.stage", "pipeline.heads")) for m in graph["pipeline.training"])

@@ -30,6 +30,11 @@ class Example:
     topk_logits: Optional[torch.Tensor] = None
 
 
+def answer_tokens(examples: list[Example]) -> list[int]:
+    """The target tokens a draft learns to predict (each learned position's next token)."""
+    return [ex.input_ids[t + 1] for ex in examples for t in ex.positions]
+
+
 def load_examples(dataset_dir: Path, max_length: int) -> tuple[list[Example], dict[str, int]]:
     """Examples cut to max_length tokens, and counts of the rows skipped (by reason)."""
     import datasets

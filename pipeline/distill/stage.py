@@ -13,7 +13,9 @@ A finished stage with the same plan is left as it is; another plan needs distill
 and trains in `.next-distill/` beside it, which replaces it only once complete.
 
 One process on a laptop; `accelerate launch` / `torchrun` for N processes (DDP over gloo on
-CPUs, NCCL on GPUs); `distill.deepspeed=zero2|zero3` for DeepSpeed ZeRO.
+CPUs, NCCL on GPUs); `distill.deepspeed=zero2|zero3` for DeepSpeed ZeRO. The loop, its
+checkpoints and resume are pipeline/training.py's; this stage supplies the draft, its loss
+(on-policy steps included) and its held-out evaluation.
 """
 
 from __future__ import annotations
@@ -21,35 +23,26 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import math
-import os
 import time
 from pathlib import Path
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
-from tqdm.auto import tqdm
 
 from pipeline.config import Config, DistillConfig
-from pipeline.distill.data import Batch, Example, collate, global_batch_indices, load_examples, micro_batches, split_heldout
+from pipeline.distill.data import Batch, Example, answer_tokens, collate, load_examples, split_heldout
 from pipeline.distill.draft import (
     add_lora, check_vocabulary, frequent_tokens, new_draft, pretrained_draft, save_draft,
 )
 from pipeline.distill.losses import DraftVocab, Teacher, distill_loss, expected_acceptance, top1_agreement
-from pipeline.distributed import resolve_precision
 from pipeline.errors import PipelineError
-from pipeline.models import load_target
-from pipeline.files import atomic_dir, atomic_write_json, atomic_write_text, own_dir, remove
-from pipeline.runs import (
-    MANIFEST, claim_stage, complete_claim, consumed, find_claim, hash_tree, read_manifest, stage_dir,
-    write_manifest,
-)
-from pipeline.tracking import start_tracker
+from pipeline.files import atomic_dir
+from pipeline.runs import stage_dir
+from pipeline.training import Task, finish, start_training, train_steps
 
 log = logging.getLogger(__name__)
 STAGE = "distill"
-CONF_DEEPSPEED = Path(__file__).resolve().parent.parent.parent / "conf" / "deepspeed"
 
 
 def selected_logits(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
@@ -87,11 +80,6 @@ class DraftForDistill(torch.nn.Module):
         return selected_logits(self.draft, input_ids, attention_mask, rows, cols, self.vocab)
 
 
-def answer_tokens(examples: list[Example]) -> list[int]:
-    """The target tokens the draft learns to predict (each learned position's next token)."""
-    return [ex.input_ids[t + 1] for ex in examples for t in ex.positions]
-
-
 def build_draft(cfg: Config, target) -> torch.nn.Module:
     d = cfg.draft
     if d.kind == "new":
@@ -109,45 +97,6 @@ def build_draft(cfg: Config, target) -> torch.nn.Module:
         draft = add_lora(draft, rank=d.lora_rank, alpha=d.lora_alpha, dropout=d.lora_dropout,
                          target_modules=list(d.lora_target_modules))
     return draft.train()
-
-
-def make_accelerator(dc: DistillConfig):
-    from accelerate import Accelerator
-    from accelerate.utils import DeepSpeedPlugin, InitProcessGroupKwargs
-
-    cpu = not torch.cuda.is_available()
-    plugin = None
-    if dc.deepspeed:
-        path = Path(dc.deepspeed) if dc.deepspeed.endswith(".json") else CONF_DEEPSPEED / f"{dc.deepspeed}.json"
-        if not path.is_file():
-            choices = ", ".join(sorted(p.stem for p in CONF_DEEPSPEED.glob("*.json")))
-            raise PipelineError(f"no DeepSpeed config {path}; choose one of {choices} or give a .json path")
-        plugin = DeepSpeedPlugin(hf_ds_config=str(path), gradient_accumulation_steps=dc.grad_accum,
-                                 gradient_clipping=dc.max_grad_norm)
-    # On CPUs the process group must be gloo; Accelerator(cpu=True) would drop DeepSpeed for DDP.
-    launched = int(os.environ.get("WORLD_SIZE", "1")) > 1
-    handlers = [InitProcessGroupKwargs(backend="gloo")] if cpu and launched else []
-    precision = resolve_precision(dc.precision, "cpu" if cpu else "cuda")
-    if dc.precision == "auto":
-        log.info("precision auto -> %s (%s bf16 on this %s)", precision,
-                 "native" if precision == "bf16" else "no native", "CPU" if cpu else "GPU")
-    accelerator = Accelerator(cpu=cpu and plugin is None, mixed_precision="bf16" if precision == "bf16" else "no",
-                              gradient_accumulation_steps=dc.grad_accum, deepspeed_plugin=plugin,
-                              kwargs_handlers=handlers)
-    if plugin is not None:  # we feed batches ourselves, so DeepSpeed learns their size here
-        ds = accelerator.state.deepspeed_plugin.deepspeed_config
-        ds["train_micro_batch_size_per_gpu"] = dc.batch_size
-        ds["train_batch_size"] = dc.batch_size * dc.grad_accum * accelerator.num_processes
-    return accelerator
-
-
-def lr_lambda(dc: DistillConfig):
-    def factor(step: int) -> float:
-        if step < dc.warmup_steps:
-            return (step + 1) / dc.warmup_steps
-        progress = min(1.0, (step - dc.warmup_steps) / max(1, dc.max_steps - dc.warmup_steps))
-        return dc.min_lr_ratio + (1 - dc.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-    return factor
 
 
 @torch.no_grad()
@@ -215,88 +164,6 @@ def onpolicy_batch(draft: torch.nn.Module, examples: list[Example], num_tokens: 
     return Batch(ids, valid, rows, cols, ids[rows, cols + 1])
 
 
-def save_state(folder: Path, accelerator, model, optimizer, scheduler, step: int,
-               onpolicy_rng: Optional[torch.Generator], plan: str, start_stats: Optional[dict]) -> None:
-    """A resumable checkpoint written atomically: trainable weights (safetensors), optimizer
-    (tensors only, read back with weights_only=True), scheduler, step and RNG states (the
-    on-policy sampler's, for a stage that has one)."""
-    from safetensors.torch import save_file
-
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        own_dir(folder, "state")
-    accelerator.wait_for_everyone()
-    deepspeed_dir = f"deepspeed-{step}"
-    if accelerator.distributed_type.name == "DEEPSPEED":
-        # DeepSpeed writes its shards from every rank; trainer.json, replaced atomically
-        # afterwards, names the complete one, so a kill in between resumes from the older.
-        accelerator.save_state(str(folder / deepspeed_dir))
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        with atomic_dir(folder / "last", "state") as tmp:
-            if accelerator.distributed_type.name != "DEEPSPEED":
-                draft = accelerator.unwrap_model(model).draft
-                trainable = {n: p.detach().contiguous().cpu() for n, p in draft.named_parameters() if p.requires_grad}
-                save_file(trainable, str(tmp / "trainable.safetensors"))
-                torch.save(optimizer.optimizer.state_dict() if hasattr(optimizer, "optimizer") else optimizer.state_dict(),
-                           tmp / "optimizer.pt")
-            atomic_write_json(tmp / "trainer.json", dict(
-                step=step, plan=plan, start_stats=start_stats, deepspeed_dir=deepspeed_dir,
-                scheduler=scheduler.state_dict(),
-                torch_rng=torch.get_rng_state().tolist(),
-                onpolicy_rng=onpolicy_rng.get_state().tolist() if onpolicy_rng is not None else None))
-        for stale in folder.glob("deepspeed-*"):
-            if stale.name != deepspeed_dir:
-                remove(stale)
-    accelerator.wait_for_everyone()
-
-
-def load_state(folder: Path, accelerator, model, optimizer, scheduler,
-               onpolicy_rng: Optional[torch.Generator] = None) -> dict:
-    from safetensors.torch import load_file
-
-    last = folder / "last"
-    trainer = json.loads((last / "trainer.json").read_text())
-    if accelerator.distributed_type.name == "DEEPSPEED":
-        accelerator.load_state(str(folder / trainer["deepspeed_dir"]))
-    else:
-        draft = accelerator.unwrap_model(model).draft
-        params = dict(draft.named_parameters())
-        with torch.no_grad():
-            for name, value in load_file(str(last / "trainable.safetensors")).items():
-                params[name].copy_(value)
-        state = torch.load(last / "optimizer.pt", weights_only=True, map_location="cpu")
-        (optimizer.optimizer if hasattr(optimizer, "optimizer") else optimizer).load_state_dict(state)
-    scheduler.load_state_dict(trainer["scheduler"])
-    torch.set_rng_state(torch.tensor(trainer["torch_rng"], dtype=torch.uint8))
-    if onpolicy_rng is not None:
-        onpolicy_rng.set_state(torch.tensor(trainer["onpolicy_rng"], dtype=torch.uint8))
-    return trainer
-
-
-def keep_metrics_until(path: Path, step: int) -> None:
-    """Drop the metrics logged after the checkpoint a run resumes from: those steps run again."""
-    lines = path.read_text().splitlines() if path.is_file() else []
-    atomic_write_text(path, "".join(line + "\n" for line in lines if json.loads(line)["step"] <= step))
-
-
-def start_training(cfg: Config, tc):
-    """What every training stage starts with: the finished generate stage, the accelerator
-    (tc: its TrainConfig), the seed, and the target, checked to be the one that generated."""
-    from accelerate.utils import set_seed
-
-    generate_dir = stage_dir(cfg.runs_dir, cfg.run, "generate")
-    gen_manifest = read_manifest(generate_dir, "generate", cfg.run)
-    accelerator = make_accelerator(tc)
-    set_seed(cfg.seed)
-    target = load_target(**{**dataclasses.asdict(cfg.target), "device": str(accelerator.device)})
-    fingerprint = target.fingerprint()
-    if gen_manifest.get("target_fingerprint") not in (None, fingerprint):
-        raise PipelineError(f"{generate_dir} was generated by another target (fingerprint "
-                            f"{gen_manifest['target_fingerprint'][:12]}…, this one {fingerprint[:12]}…)")
-    return generate_dir, gen_manifest, accelerator, target
-
-
 def plan_key(cfg: Config, gen_manifest: dict) -> str:
     """A hash of what decides the trained weights: draft, training settings, data, seed."""
     import hashlib
@@ -309,37 +176,15 @@ def plan_key(cfg: Config, gen_manifest: dict) -> str:
     return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def claim_training(accelerator, out: Path, stage: str, plan: str, tc):
-    """Where this training run works (runs.claim_stage, decided by the main process); None when
-    `out` already holds the finished result of this plan."""
-    if accelerator.is_main_process:
-        claim = claim_stage(out, stage, plan, overwrite=tc.overwrite, restart=not tc.resume,
-                            started=lambda folder: (folder / "state" / "last" / "trainer.json").is_file())
-    accelerator.wait_for_everyone()
-    if not accelerator.is_main_process:
-        claim = find_claim(out, stage, plan)
-    if claim.done:
-        if accelerator.is_main_process:
-            print(f"{stage}: already complete with this config in {out}; nothing to do "
-                  f"(another config needs {stage}.overwrite=true or another run=<name>)")
-        return None
-    if claim.aside:
-        log.info("%s: %s stays as it is until this run (in %s) is complete", stage, out, claim.folder)
-    return claim
-
-
 def run(cfg: Config) -> Path:
     t_start = time.perf_counter()
     dc = cfg.distill
     out = stage_dir(cfg.runs_dir, cfg.run, STAGE)
-    generate_dir, gen_manifest, accelerator, target = start_training(cfg, dc)
-    main, fingerprint = accelerator.is_main_process, target.fingerprint()
-    # What decides the result: a checkpoint of another plan is never resumed.
-    plan = plan_key(cfg, gen_manifest)
-    claim = claim_training(accelerator, out, STAGE, plan, dc)
-    if claim is None:
+    training = start_training(cfg, dc, STAGE, out, plan_key)
+    if training is None:
         return out
-    work = claim.folder
+    accelerator, target, work, main = training.accelerator, training.target, training.work, training.main
+    generate_dir = training.generate_dir
     examples, skipped = load_examples(generate_dir / "dataset", dc.max_length)
     has_topk = examples[0].topk_ids is not None
     offline = dc.teacher == "offline" or (dc.teacher == "auto" and has_topk)
@@ -364,140 +209,57 @@ def run(cfg: Config) -> Path:
     target_model = target.model.eval() if not offline or dc.onpolicy_fraction > 0 else None
     if target_model is None:
         target.model = None  # an offline teacher needs no target weights past this point
-    trainer_json = work / "state" / "last" / "trainer.json"
-    resuming = dc.resume and trainer_json.is_file()
-    if resuming and json.loads(trainer_json.read_text()).get("plan") != plan:
-        raise PipelineError(f"{work} holds a distill run with another config or data; "
-                            "add distill.overwrite=true to start over (or use another run=)")
     # The untrained baseline of this plan: written afresh unless this run resumes its own.
-    if main and not (resuming and (work / "initial" / "config.json").is_file()):
+    if main and not (training.resuming and (work / "initial" / "config.json").is_file()):
         with atomic_dir(work / "initial", "checkpoint") as tmp:
             save_draft(draft, target.tokenizer, tmp, draft_vocab=draft_vocab)
     vocab = DraftVocab(draft_vocab.to(accelerator.device), vocab_size) if draft_vocab is not None else None
-    model = DraftForDistill(draft, vocab.ids if vocab is not None else None)
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    num_trainable = sum(p.numel() for p in trainable)
-    optimizer = torch.optim.AdamW(trainable, lr=dc.lr, weight_decay=dc.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(dc))
-    model, optimizer = accelerator.prepare(model, optimizer)
     onpolicy_rng = torch.Generator().manual_seed(cfg.seed + 1)
 
-    start_step, start_stats = 0, {}
-    if resuming:
-        trainer = load_state(work / "state", accelerator, model, optimizer, scheduler, onpolicy_rng)
-        start_step, start_stats = int(trainer["step"]), trainer.get("start_stats") or {}
-        log.info("distill: resuming after step %d from %s", start_step, work / "state")
-        if main:
-            keep_metrics_until(work / "metrics.jsonl", start_step)
-    elif main:
-        remove(work / "metrics.jsonl")
+    def draw_step() -> dict:
+        return dict(onpolicy=dc.onpolicy_fraction > 0
+                    and float(torch.rand((), generator=onpolicy_rng)) < dc.onpolicy_fraction)
 
-    world, rank = accelerator.num_processes, accelerator.process_index
-    global_batch = dc.batch_size * world * dc.grad_accum
-    if main:
-        log.info("distill: %d train / %d held-out conversations (%d skipped), teacher %s, loss %s, "
-                 "%s trainable parameters, global batch %d x %d steps, %d process(es)%s",
-                 len(train), len(heldout), sum(skipped.values()), "offline top-k" if offline else "online",
-                 dc.loss, f"{num_trainable:,}", global_batch, dc.max_steps, world,
-                 f", DeepSpeed {dc.deepspeed}" if dc.deepspeed else "")
-    tracker = start_tracker(cfg.logger.kind, run_name=cfg.run, stage=STAGE, config=dataclasses.asdict(cfg),
-                            log_dir=out.parent, project=cfg.logger.project, entity=cfg.logger.entity,
-                            mode=cfg.logger.mode) if main else None
+    def loss(model, micro: list[int], drawn: dict) -> tuple[torch.Tensor, int]:
+        chosen = [train[i] for i in micro]
+        if drawn["onpolicy"]:
+            batch = onpolicy_batch(draft, chosen, dc.onpolicy_tokens, pad_id, onpolicy_rng, accelerator.device,
+                                   vocab.ids if vocab is not None else None)
+        else:
+            batch = collate(chosen, pad_id, offline).to(accelerator.device)
+        logits = model(batch.input_ids, batch.attention_mask, batch.rows, batch.cols)
+        value = draft_loss(dc, logits, teacher_for(target_model, batch), batch.labels, vocab)
+        return value, int(batch.attention_mask.sum())
 
-    def evaluate() -> dict:
+    def evaluate(model) -> dict:
         if not heldout:
             return dict(heldout_alpha=None, heldout_top1=None)
-        model.eval()
         alpha, top1 = heldout_acceptance(model, target_model, heldout, pad_id, offline, dc.batch_size,
                                          accelerator.device, vocab)
-        model.train()
         return dict(heldout_alpha=alpha, heldout_top1=top1)
 
-    if start_step == 0:
-        start_stats = evaluate()
-    unwrapped = accelerator.unwrap_model(model).draft
-    tokens_seen, t_loop = 0, time.perf_counter()
-    bar = tqdm(total=dc.max_steps, initial=start_step, desc="distill", unit="step", disable=not main, dynamic_ncols=True)
-    last_loss, record = float("nan"), {}
-    for step in range(start_step, dc.max_steps):
-        indices = global_batch_indices(len(train), step, global_batch, cfg.seed)
-        onpolicy = dc.onpolicy_fraction > 0 and float(torch.rand((), generator=onpolicy_rng)) < dc.onpolicy_fraction
-        losses = []
-        for micro in micro_batches(indices, dc.batch_size, rank, world):
-            chosen = [train[i] for i in micro]
-            with accelerator.accumulate(model):
-                if onpolicy:
-                    batch = onpolicy_batch(unwrapped, chosen, dc.onpolicy_tokens, pad_id, onpolicy_rng,
-                                           accelerator.device, vocab.ids if vocab is not None else None)
-                else:
-                    batch = collate(chosen, pad_id, offline).to(accelerator.device)
-                teacher = teacher_for(target_model, batch)
-                logits = model(batch.input_ids, batch.attention_mask, batch.rows, batch.cols)
-                loss = draft_loss(dc, logits, teacher, batch.labels, vocab)
-                accelerator.backward(loss)
-                if accelerator.sync_gradients:
-                    accelerator.clip_grad_norm_(trainable if not dc.deepspeed else model.parameters(), dc.max_grad_norm)
-                optimizer.step()
-                optimizer.zero_grad()
-            losses.append(loss.detach())
-            tokens_seen += int(batch.attention_mask.sum())
-        scheduler.step()
-        step_loss = accelerator.gather(torch.stack(losses).mean()[None]).mean().item()
-        if not math.isfinite(step_loss):
-            raise PipelineError(f"distill: the loss is {step_loss} at step {step + 1}; lower distill.lr "
-                                f"(now {dc.lr}) or check the data; the last good checkpoint is in {work / 'state'}")
-        last_loss = step_loss
-        record = dict(step=step + 1, loss=step_loss, lr=scheduler.get_last_lr()[0],
-                      tokens_per_s=tokens_seen * world / (time.perf_counter() - t_loop), onpolicy=onpolicy)
-        if (step + 1) % dc.eval_every == 0 or step + 1 == dc.max_steps:
-            record.update(evaluate())
-        if main:
-            with open(work / "metrics.jsonl", "a") as f:
-                f.write(json.dumps(record) + "\n")
-            tracker.log({f"distill/{k}": v for k, v in record.items() if isinstance(v, (int, float)) and v is not None},
-                        step=step + 1)
-            bar.set_postfix(loss=f"{step_loss:.4f}", **{name: f"{record[key]:.3f}" for name, key in
-                                                        (("alpha", "heldout_alpha"), ("top1", "heldout_top1"))
-                                                        if record.get(key) is not None})
-            bar.update(1)
-        if (step + 1) % dc.save_every == 0 and step + 1 < dc.max_steps:
-            save_state(work / "state", accelerator, model, optimizer, scheduler, step + 1, onpolicy_rng, plan, start_stats)
-    bar.close()
-
-    end_stats = {k: record.get(k) for k in ("heldout_alpha", "heldout_top1")} if start_step < dc.max_steps else evaluate()
-    alpha_start, alpha_end = start_stats.get("heldout_alpha"), end_stats["heldout_alpha"]
-    accelerator.wait_for_everyone()
-    final = None
-    if accelerator.distributed_type.name == "DEEPSPEED":
-        state = accelerator.get_state_dict(model)  # gathers ZeRO-3 shards, full tensors on the main process
-        final = {k.removeprefix("draft."): v for k, v in state.items()} if main else None
+    if main:
+        log.info("distill: %d train / %d held-out conversations (%d skipped), teacher %s, loss %s",
+                 len(train), len(heldout), sum(skipped.values()), "offline top-k" if offline else "online", dc.loss)
+    task = Task(DraftForDistill(draft, vocab.ids if vocab is not None else None), len(train), loss, evaluate,
+                draw_step, onpolicy_rng)
+    trained, state_dict, metrics = train_steps(training, task)
     if main:
         with atomic_dir(work / "checkpoint", "checkpoint") as tmp:
-            save_draft(unwrapped, target.tokenizer, tmp, state_dict=final, draft_vocab=draft_vocab)
-        remove(work / "state")
+            save_draft(trained, target.tokenizer, tmp, state_dict=state_dict, draft_vocab=draft_vocab)
         train_s = time.perf_counter() - t_start
-        metrics = dict(final_loss=last_loss, heldout_alpha_start=alpha_start, heldout_alpha_end=alpha_end,
-                       heldout_top1_start=start_stats.get("heldout_top1"), heldout_top1_end=end_stats["heldout_top1"],
-                       steps=dc.max_steps, trainable_parameters=num_trainable, processes=world,
-                       distributed=accelerator.distributed_type.name,
-                       teacher="offline" if offline else "online", train_conversations=len(train),
+        metrics.update(teacher="offline" if offline else "online", train_conversations=len(train),
                        heldout_conversations=len(heldout), skipped_records=skipped, wall_time_s=train_s,
                        draft_vocab_size=len(draft_vocab) if draft_vocab is not None else vocab_size,
                        draft_vocab_heldout_coverage=coverage)
-        tracker.log({f"distill/{k}": v for k, v in metrics.items() if isinstance(v, (int, float)) and v is not None})
-        tracker.finish()
-        write_manifest(work, stage=STAGE, config=dataclasses.asdict(cfg), target_fingerprint=fingerprint,
-                       outputs={k: v for k, v in hash_tree(work).items() if k != MANIFEST and not k.startswith("state")},
-                       wall_time_s=train_s, inputs={"generate": consumed(generate_dir)}, metrics=metrics, plan=plan)
-        complete_claim(claim)
+        finish(training, metrics)
 
         def change(name: str) -> str:
-            start, end = start_stats.get(name), end_stats[name]
+            start, end = metrics.get(f"{name}_start"), metrics.get(f"{name}_end")
             return f"{start:.3f} -> {end:.3f}" if start is not None and end is not None else "n/a"
 
-        print(f"distill: {dc.max_steps} steps in {train_s / 60:.1f} min, final loss {last_loss:.4f}, held-out "
-              f"expected acceptance {change('heldout_alpha')}, top-1 agreement {change('heldout_top1')} "
+        print(f"distill: {dc.max_steps} steps in {train_s / 60:.1f} min, final loss {metrics['final_loss']:.4f}, "
+              f"held-out expected acceptance {change('heldout_alpha')}, top-1 agreement {change('heldout_top1')} "
               f"-> {out / 'checkpoint'}")
     accelerator.wait_for_everyone()
     return out
-

@@ -157,7 +157,7 @@ def early_exit_terms(adapter, view: TargetView, batch: Batch, loss: str, target_
 
 class HeadsForTraining(nn.Module):
     """The heads behind one forward(view, batch) -> Terms, so DDP and DeepSpeed see every call.
-    `draft` is the trained module (the name distill's checkpoint helpers use)."""
+    `draft` is the trained module, the attribute pipeline/training.py checkpoints."""
 
     def __init__(self, heads: nn.Module, target: nn.Module, loss: str, medusa_decay: float, ttt_steps: int) -> None:
         super().__init__()

@@ -129,6 +129,9 @@ def test_a_stopped_run_resumes_to_the_same_weights(tiny_target_dir, generated, t
     assert set(a) == set(b)
     for key in a:
         torch.testing.assert_close(a[key], b[key], rtol=1e-5, atol=1e-6)
+    # The held-out statistics before training come back with the checkpoint.
+    metrics = [json.loads((folder / "manifest.json").read_text())["metrics"] for folder in (whole, resumed)]
+    assert metrics[1]["heldout_top1_by_position_start"] == metrics[0]["heldout_top1_by_position_start"]
 
 
 def test_the_cli_trains_heads_after_generate_and_refuses_without_it(tiny_target_dir, generated, tmp_path):
