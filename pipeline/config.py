@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field, fields
-from typing import Optional
+from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
@@ -88,8 +88,9 @@ class TargetConfig:
     device_map: Optional[str] = None
     """auto: split a target larger than one device over every GPU (then CPU memory, then disk)
     with accelerate's big-model loading, in place of target.device; null: one device."""
-    max_memory: Optional[dict[str, str]] = None
-    """With device_map=auto, the most each device may hold, e.g. {0: 70GiB, 1: 70GiB, cpu: 200GiB}."""
+    max_memory: Optional[Any] = None
+    """With device_map=auto, the most each device may hold, e.g. {0: 70GiB, 1: 70GiB, cpu: 200GiB}
+    (GPU index or cpu -> size; typed Any: OmegaConf cannot merge a typed dict with int keys)."""
 
     def __post_init__(self) -> None:
         _check_choice("target.dtype", self.dtype, DTYPES)
@@ -97,8 +98,13 @@ class TargetConfig:
             raise ValueError(f"target.device={self.device!r} is not a device: auto, cpu, cuda or cuda:N")
         if self.device_map not in (None, "auto"):
             raise ValueError(f"target.device_map={self.device_map!r} is not auto or null")
-        if self.max_memory is not None and self.device_map is None:
-            raise ValueError("target.max_memory needs target.device_map=auto")
+        if self.max_memory is not None:
+            if self.device_map is None:
+                raise ValueError("target.max_memory needs target.device_map=auto")
+            if not isinstance(self.max_memory, dict) or not all(
+                    isinstance(k, int) or k in ("cpu", "disk", "mps") for k in self.max_memory):
+                raise ValueError(f"target.max_memory={self.max_memory!r} is not a map of devices to sizes, "
+                                 "e.g. {0:70GiB,1:70GiB,cpu:200GiB}")
 
 
 @dataclass

@@ -46,6 +46,12 @@ class Target:
     def fingerprint(self) -> str:
         return fingerprint_folder(self.folder, self.cache_dir)
 
+    @property
+    def split(self) -> bool:
+        """Loaded over several devices (target.device_map=auto): the fast path, which assumes
+        one device, is not taken."""
+        return len(set(getattr(self.model, "hf_device_map", {}).values())) > 1
+
 
 def cache_root(cache_dir: Optional[str] = None) -> Path:
     root = cache_dir or os.environ.get("SPECDRAFT_CACHE") or Path.home() / ".cache" / "specdraft"

@@ -51,13 +51,18 @@ CHATML = (
 )
 
 
-def byte_chat_tokenizer():
-    """A ByteLevel tokenizer with 256 byte tokens and ChatML specials; no merges, no download."""
+def byte_chat_tokenizer(chars: str | None = None):
+    """A ByteLevel tokenizer with one token per byte (or per character of `chars`, printable
+    ASCII or newline, in that order) and ChatML specials; no merges, no download."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    if chars is None:
+        vocab = {ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    else:  # GPT-2's printable character for each byte: itself, or 256 + n for the n-th other
+        others = [b for b in range(256) if not (33 <= b <= 126 or 161 <= b <= 172 or 174 <= b <= 255)]
+        level = {b: chr(256 + others.index(b)) if b in others else chr(b) for b in range(256)}
+        vocab = {level[ord(ch)]: i for i, ch in enumerate(chars)}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -66,6 +71,17 @@ def byte_chat_tokenizer():
                              "additional_special_tokens": ["<|im_start|>"]})
     fast.chat_template = CHATML
     return fast
+
+
+def kill_9_when(proc: subprocess.Popen, done, timeout: float = 300) -> None:
+    """SIGKILL `proc` as soon as done() (or it ended, or `timeout` passed), and reap it."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not done() and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.02)
+    proc.kill()
+    proc.wait()
 
 
 def tiny_llama(seed: int, layers: int = 2, vocab: int = 32):

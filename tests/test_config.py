@@ -64,10 +64,23 @@ def test_demo_experiment_overrides():
     ("distill.loss=mse", "distill.loss"),
     ("distill.onpolicy_fraction=2", "distill.onpolicy_fraction"),
     ("draft.num_layers=0", "draft.num_layers"),
+    ("generate.backend=remote", "generate.backend"),
+    ("generate.backend=server", "needs generate.server.urls"),
+    ("generate.server.urls=[ftp://x]", "is not an http"),
+    ("generate.server.concurrency=0", "generate.server.concurrency"),
+    ("target.max_memory={cpu:1GiB}", "needs target.device_map=auto"),
+    ("target.device_map=balanced", "target.device_map"),
 ])
 def test_invalid_values_fail_validation(override, message):
     with pytest.raises(ValueError, match=message):
         compose_config(override)
+
+
+def test_max_memory_takes_gpu_indices_and_cpu():
+    cfg = compose_config("target.device_map=auto", "target.max_memory={0:70GiB,1:70GiB,cpu:200GiB}")
+    assert cfg.target.max_memory == {0: "70GiB", 1: "70GiB", "cpu": "200GiB"}
+    with pytest.raises(ValueError, match="not a map of devices to sizes"):
+        compose_config("target.device_map=auto", "target.max_memory={gpu0:1GiB}")
 
 
 def test_missing_mandatory_value_fails():

@@ -298,7 +298,7 @@ def run(cfg: Config) -> Path:
     target = load_target(**dataclasses.asdict(cfg.target), weights=not remote)
     fingerprint = target.fingerprint()
     plan = plan_key(cfg, fingerprint)
-    fast, graphs = (False, False) if remote else fast_path(cfg.generate.cuda_graphs, target.device.type)
+    fast, graphs = (False, False) if remote or target.split else fast_path(cfg.generate.cuda_graphs, target.device.type)
     static = None
     if fast:
         use_static_attention(target.model)

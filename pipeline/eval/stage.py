@@ -223,7 +223,7 @@ def run(cfg: Config) -> Path:
     hf_model, hf_drafts = prepare_for_decoding(
         target.model, separate, layout=ev.decode_layout, compare_hf=ev.compare_hf,
         heads={name: m for name, m in models.items() if name not in separate}, int8=tuple(int8))
-    fast, graphs = ev.fast_path(target.device.type)
+    fast, graphs = ev.fast_path(target.device.type) if not target.split else (False, False)
     if fast:
         for model in (target.model, *(m for name, m in separate.items() if found[name].kind.fast is not None)):
             use_static_attention(model)

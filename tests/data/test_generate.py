@@ -1,15 +1,13 @@
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 
 import datasets
 import pytest
 import torch
 
-from conftest import REPO, compose_config, free_port, write_jsonl
+from conftest import REPO, compose_config, free_port, kill_9_when, write_jsonl
 from pipeline.data import generate
 from pipeline.data.chat import encode, first_prompt_ids, next_turn_ids
 from pipeline.data.generate import regenerate
@@ -212,11 +210,7 @@ def test_resume_after_sigkill_loses_and_duplicates_nothing(tiny_target_dir, many
     shards = tmp_path / "t" / "generate" / "shards"
     log = open(tmp_path / "killed.log", "w")
     proc = subprocess.Popen(cli(*args), cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 300
-    while len(list(shards.glob("shard-*"))) < 3 and time.monotonic() < deadline and proc.poll() is None:
-        time.sleep(0.02)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    kill_9_when(proc, lambda: len(list(shards.glob("shard-*"))) >= 3)
     done_before = len(list(shards.glob("shard-*")))
     assert 3 <= done_before < 20, (tmp_path / "killed.log").read_text()[-3000:]
     assert not (tmp_path / "t" / "generate" / MANIFEST).exists()

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -18,7 +17,7 @@ import datasets
 import pytest
 import torch
 
-from conftest import CHATML, REPO, compose_config, write_jsonl
+from conftest import REPO, byte_chat_tokenizer, compose_config, kill_9_when, write_jsonl
 from fake_server import FakeServer, Faults
 from pipeline.data import generate
 from pipeline.errors import PipelineError
@@ -28,32 +27,7 @@ from pipeline.runs import MANIFEST
 def ascii_chat_tokenizer():
     """Printable ASCII and newline, one token each, and ChatML specials: every token's text is
     its own, so a greedy answer's text tokenizes back to the same ids."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    level = _byte_level_chars()
-    vocab = {level[b]: i for i, b in enumerate([*range(32, 127), ord("\n")])}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok)
-    fast.add_special_tokens({"eos_token": "<|im_end|>", "pad_token": "<|im_end|>",
-                             "additional_special_tokens": ["<|im_start|>"]})
-    fast.chat_template = CHATML
-    return fast
-
-
-def _byte_level_chars() -> list[str]:
-    """GPT-2's byte -> printable character table, in byte order."""
-    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    chars, extra = [], 0
-    for b in range(256):
-        if b in keep:
-            chars.append(chr(b))
-        else:
-            chars.append(chr(256 + extra))
-            extra += 1
-    return chars
+    return byte_chat_tokenizer("".join(map(chr, range(32, 127))) + "\n")
 
 
 @pytest.fixture(scope="module")
@@ -250,11 +224,7 @@ def test_kill_9_of_the_client_then_rerun_gives_every_conversation_once(ascii_tar
     try:
         with open(tmp_path / "killed.log", "w") as log:
             proc = subprocess.Popen(cli(*args), cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT)
-            deadline = time.monotonic() + 300
-            while len(list(shards.glob("shard-*"))) < 2 and time.monotonic() < deadline and proc.poll() is None:
-                time.sleep(0.02)
-            proc.send_signal(signal.SIGKILL)
-            proc.wait()
+            kill_9_when(proc, lambda: len(list(shards.glob("shard-*"))) >= 2)
         finished = {int(p.name.removeprefix("shard-")) for p in shards.glob("shard-*")}
         done_before = len(finished)
         assert 2 <= done_before < 8, (tmp_path / "killed.log").read_text()[-3000:]
