@@ -70,7 +70,7 @@ bench-generate: setup
 bench-verify: setup
 	$(PY) benchmarks/bench_verify.py $(ARGS)
 
-# One distill step of the CPU recipe in fp32 and under bf16 autocast (what precision=auto picks).
+# One distill step of the CPU recipe, padded and packed, fp32 and bf16 (what precision=auto picks); on CUDA where there is one.
 bench-train: setup
 	$(PY) benchmarks/bench_train.py $(ARGS)
 

@@ -100,7 +100,7 @@ class Batch:
     input_ids: torch.Tensor
     """[B, T] right-padded."""
     attention_mask: torch.Tensor
-    """[B, T]"""
+    """[B, T] 1 on real tokens."""
     rows: torch.Tensor
     """[N] row of each learned position."""
     cols: torch.Tensor
@@ -109,6 +109,11 @@ class Batch:
     """[N] the target's token at col + 1."""
     teacher: Optional[Teacher] = None
     """Offline top-k teacher for the N positions (None: compute online)."""
+    segments: Optional[torch.Tensor] = None
+    """Packed rows (collate's pack): [B, T] which conversation of its row each token is (1, 2,
+    ...; 0 on padding); None: one conversation per row."""
+    position_ids: Optional[torch.Tensor] = None
+    """Packed rows: [B, T] positions restarting at 0 with each conversation."""
 
     def to(self, device) -> "Batch":
         moved = {k: v.to(device) for k, v in vars(self).items() if isinstance(v, torch.Tensor)}
@@ -117,19 +122,61 @@ class Batch:
             teacher = Teacher(self.teacher.logits.to(device), self.teacher.ids.to(device))
         return Batch(**moved, teacher=teacher)
 
+    def model_mask(self) -> torch.Tensor:
+        """The attention mask a model takes: [B, T], or for packed rows [B, 1, T, T] (True: may
+        attend), causal within each conversation and blind across them."""
+        if self.segments is None:
+            return self.attention_mask
+        t = self.segments.shape[1]
+        causal = torch.ones((t, t), dtype=torch.bool, device=self.segments.device).tril()
+        same = self.segments[:, :, None] == self.segments[:, None, :]
+        return (same & causal & (self.segments > 0)[:, None, :])[:, None]
 
-def collate(examples: list[Example], pad_id: int, offline: bool) -> Batch:
+
+def pack_rows(lengths: list[int]) -> list[list[int]]:
+    """First-fit decreasing: the indices of `lengths` in rows of at most max(lengths) tokens."""
+    width = max(lengths)
+    rows: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        row = next((r for r, free in enumerate(room) if free >= lengths[i]), None)
+        if row is None:
+            rows.append([]), room.append(width)
+            row = len(rows) - 1
+        rows[row].append(i)
+        room[row] -= lengths[i]
+    return rows
+
+
+def collate(examples: list[Example], pad_id: int, offline: bool, pack: bool = False) -> Batch:
+    """One batch of examples, right-padded to the longest; with `pack`, several conversations
+    share a row (first-fit, rows as wide as the longest), so fewer padding tokens are computed:
+    the learned positions, their labels and their teacher rows stay in example order."""
+    placement = pack_rows([len(ex.input_ids) for ex in examples]) if pack else [[i] for i in range(len(examples))]
     width = max(len(ex.input_ids) for ex in examples)
-    ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(examples), width), dtype=torch.long)
+    ids = torch.full((len(placement), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(placement), width), dtype=torch.long)
+    segments = torch.zeros((len(placement), width), dtype=torch.long) if pack else None
+    positions = torch.zeros((len(placement), width), dtype=torch.long) if pack else None
+    where = {}  # example -> (row, first column)
+    for row, members in enumerate(placement):
+        start = 0
+        for seg, i in enumerate(members, 1):
+            n = len(examples[i].input_ids)
+            ids[row, start : start + n] = torch.tensor(examples[i].input_ids)
+            mask[row, start : start + n] = 1
+            if pack:
+                segments[row, start : start + n] = seg
+                positions[row, start : start + n] = torch.arange(n)
+            where[i] = (row, start)
+            start += n
     rows, cols = [], []
     for i, ex in enumerate(examples):
-        ids[i, : len(ex.input_ids)] = torch.tensor(ex.input_ids)
-        mask[i, : len(ex.input_ids)] = 1
-        rows += [i] * len(ex.positions)
-        cols += ex.positions
+        row, start = where[i]
+        rows += [row] * len(ex.positions)
+        cols += [start + t for t in ex.positions]
     rows_t, cols_t = torch.tensor(rows), torch.tensor(cols)
     teacher = None
     if offline:
         teacher = Teacher(torch.cat([ex.topk_logits for ex in examples]), torch.cat([ex.topk_ids for ex in examples]))
-    return Batch(ids, mask, rows_t, cols_t, ids[rows_t, cols_t + 1], teacher)
+    return Batch(ids, mask, rows_t, cols_t, ids[rows_t, cols_t + 1], teacher, segments, positions)

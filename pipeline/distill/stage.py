@@ -46,15 +46,18 @@ STAGE = "distill"
 
 
 def selected_logits(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                    rows: torch.Tensor, cols: torch.Tensor, vocab: Optional[torch.Tensor] = None) -> torch.Tensor:
+                    rows: torch.Tensor, cols: torch.Tensor, vocab: Optional[torch.Tensor] = None,
+                    position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The model's logits at the batch's learned positions only. [N, V], or [N, len(vocab)]
-    over the LM-head rows `vocab` only.
+    over the LM-head rows `vocab` only. attention_mask: [B, T], or Batch.model_mask's [B, 1, T, T]
+    with position_ids for packed rows.
 
     The LM head (49k x 576 for the embedded target) runs on those N positions instead of
     every token, which halves its cost on chat data where prompts are half the tokens; a draft
     vocabulary of 8192 tokens cuts the rest by 6x.
     """
-    hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+    hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                 use_cache=False).last_hidden_state
     head = model.get_output_embeddings()
     if vocab is None:
         logits = head(hidden[rows, cols])
@@ -76,8 +79,8 @@ class DraftForDistill(torch.nn.Module):
         self.draft = draft
         self.register_buffer("vocab", vocab, persistent=False)
 
-    def forward(self, input_ids, attention_mask, rows, cols) -> torch.Tensor:
-        return selected_logits(self.draft, input_ids, attention_mask, rows, cols, self.vocab)
+    def forward(self, input_ids, attention_mask, rows, cols, position_ids=None) -> torch.Tensor:
+        return selected_logits(self.draft, input_ids, attention_mask, rows, cols, self.vocab, position_ids)
 
 
 def build_draft(cfg: Config, target) -> torch.nn.Module:
@@ -103,17 +106,19 @@ def build_draft(cfg: Config, target) -> torch.nn.Module:
 def teacher_for(target_model: Optional[torch.nn.Module], batch: Batch) -> Teacher:
     if batch.teacher is not None:
         return batch.teacher
-    return Teacher(selected_logits(target_model, batch.input_ids, batch.attention_mask, batch.rows, batch.cols).float())
+    return Teacher(selected_logits(target_model, batch.input_ids, batch.model_mask(), batch.rows, batch.cols,
+                                   position_ids=batch.position_ids).float())
 
 
 @torch.no_grad()
 def heldout_acceptance(model, target_model, examples: list[Example], pad_id: int, offline: bool,
-                       batch_size: int, device, vocab: Optional[DraftVocab] = None) -> tuple[float, float]:
+                       batch_size: int, device, vocab: Optional[DraftVocab] = None,
+                       pack: bool = False) -> tuple[float, float]:
     """Mean expected acceptance α = 1 − TV(p, q) and top-1 agreement over the held-out positions."""
     alpha_sum, top1_sum, count = 0.0, 0.0, 0
     for start in range(0, len(examples), batch_size):
-        batch = collate(examples[start : start + batch_size], pad_id, offline).to(device)
-        logits = model(batch.input_ids, batch.attention_mask, batch.rows, batch.cols)
+        batch = collate(examples[start : start + batch_size], pad_id, offline, pack).to(device)
+        logits = model(batch.input_ids, batch.model_mask(), batch.rows, batch.cols, batch.position_ids)
         teacher = teacher_for(target_model, batch)
         alpha_sum += float(expected_acceptance(logits, teacher, vocab).sum())
         top1_sum += float(top1_agreement(logits, teacher, vocab).sum())
@@ -171,6 +176,8 @@ def plan_key(cfg: Config, gen_manifest: dict) -> str:
     settings = dataclasses.asdict(cfg.distill)
     for free in ("resume", "overwrite", "eval_every", "save_every", "max_eval_sequences"):
         settings.pop(free)
+    if not settings["pack"]:  # the default: keeps plans from before the option
+        settings.pop("pack")
     key = dict(draft=dataclasses.asdict(cfg.draft), distill=settings, seed=cfg.seed,
                data=gen_manifest.get("outputs"), target=gen_manifest.get("target_fingerprint"))
     return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()
@@ -226,8 +233,8 @@ def run(cfg: Config) -> Path:
             batch = onpolicy_batch(draft, chosen, dc.onpolicy_tokens, pad_id, onpolicy_rng, accelerator.device,
                                    vocab.ids if vocab is not None else None)
         else:
-            batch = collate(chosen, pad_id, offline).to(accelerator.device)
-        logits = model(batch.input_ids, batch.attention_mask, batch.rows, batch.cols)
+            batch = collate(chosen, pad_id, offline, dc.pack).to(accelerator.device)
+        logits = model(batch.input_ids, batch.model_mask(), batch.rows, batch.cols, batch.position_ids)
         value = draft_loss(dc, logits, teacher_for(target_model, batch), batch.labels, vocab)
         return value, int(batch.attention_mask.sum())
 
@@ -235,7 +242,7 @@ def run(cfg: Config) -> Path:
         if not heldout:
             return dict(heldout_alpha=None, heldout_top1=None)
         alpha, top1 = heldout_acceptance(model, target_model, heldout, pad_id, offline, dc.batch_size,
-                                         accelerator.device, vocab)
+                                         accelerator.device, vocab, dc.pack)
         return dict(heldout_alpha=alpha, heldout_top1=top1)
 
     if main:

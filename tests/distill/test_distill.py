@@ -92,6 +92,22 @@ def test_training_lowers_the_loss_and_raises_the_heldout_acceptance(tiny_target_
     assert 0 <= metrics["heldout_top1_start"] <= 1 and 0 <= metrics["heldout_top1_end"] <= 1
 
 
+def test_a_packed_run_follows_the_padded_one(tiny_target_dir, generated, tmp_path):
+    """distill.pack=true through the stage (draft, online teacher, held-out α): the same losses
+    and α as padded rows (the rows' logits are tested equal below)."""
+    common = ["distill.teacher=online", "distill.batch_size=6", "distill.max_steps=3", "distill.eval_every=3"]
+    padded = distill.run(compose_config(*overrides(tiny_target_dir, fresh_run(generated, tmp_path / "a"), *common),
+                                        stage="distill"))
+    packed = distill.run(compose_config(*overrides(tiny_target_dir, fresh_run(generated, tmp_path / "b"), *common,
+                                                   "distill.pack=true"), stage="distill"))
+    read = lambda out: [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    for a, b in zip(read(padded), read(packed), strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-4)
+        assert a.keys() == b.keys()
+        if "heldout_alpha" in a:
+            assert a["heldout_alpha"] == pytest.approx(b["heldout_alpha"], rel=1e-4)
+
+
 def test_onpolicy_steps_sample_from_the_draft(tiny_target_dir, generated, tmp_path):
     runs = fresh_run(generated, tmp_path)
     out = distill.run(compose_config(*overrides(tiny_target_dir, runs, "distill.onpolicy_fraction=0.5",
@@ -216,3 +232,33 @@ def test_onpolicy_samples_stay_in_the_draft_vocabulary(tiny_target_dir):
     assert torch.isin(batch.labels, vocab).all() and len(batch.labels) == 18
     unrestricted = onpolicy_batch(draft, examples, 6, 0, torch.Generator().manual_seed(0), "cpu")
     assert not torch.isin(unrestricted.labels, vocab).all()
+
+
+def test_packed_rows_give_the_padded_logits_labels_and_teacher():
+    """distill.pack: conversations sharing a row see only themselves (block-diagonal causal
+    attention, positions restarting), so every learned position gets the logits it gets alone."""
+    from conftest import tiny_llama
+    from pipeline.distill.data import Example, collate, pack_rows
+    from pipeline.distill.stage import selected_logits
+
+    model = tiny_llama(0, vocab=64)
+    gen = torch.Generator().manual_seed(0)
+    examples = []
+    for i, n in enumerate([9, 4, 3, 7, 2, 5]):
+        ids = torch.randint(0, 64, (n,), generator=gen).tolist()
+        positions = list(range(n // 2, n - 1)) or [0]
+        examples.append(Example(f"e{i}", ids, positions, torch.randint(0, 64, (len(positions), 4), generator=gen),
+                                torch.randn((len(positions), 4), generator=gen)))
+    rows = pack_rows([len(ex.input_ids) for ex in examples])
+    assert sorted(i for r in rows for i in r) == list(range(6))
+    assert all(sum(len(examples[i].input_ids) for i in r) <= 9 for r in rows)
+    padded, packed = collate(examples, 0, True), collate(examples, 0, True, pack=True)
+    assert packed.input_ids.shape[0] == len(rows) < padded.input_ids.shape[0]
+    assert packed.attention_mask.sum() == padded.attention_mask.sum()
+    assert torch.equal(packed.labels, padded.labels)
+    assert torch.equal(packed.teacher.ids, padded.teacher.ids)
+    with torch.no_grad():
+        want = selected_logits(model, padded.input_ids, padded.model_mask(), padded.rows, padded.cols)
+        got = selected_logits(model, packed.input_ids, packed.model_mask(), packed.rows, packed.cols,
+                              position_ids=packed.position_ids)
+    assert torch.allclose(got, want, atol=1e-5)
