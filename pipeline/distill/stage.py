@@ -232,11 +232,14 @@ def run(cfg: Config) -> Path:
         if drawn["onpolicy"]:
             batch = onpolicy_batch(draft, chosen, dc.onpolicy_tokens, pad_id, onpolicy_rng, accelerator.device,
                                    vocab.ids if vocab is not None else None)
+            tokens = int(batch.attention_mask.sum())
         else:
-            batch = collate(chosen, pad_id, offline, dc.pack).to(accelerator.device)
+            batch = collate(chosen, pad_id, offline, dc.pack)
+            tokens = int(batch.attention_mask.sum())  # counted on the host: no device sync
+            batch = batch.to(accelerator.device)
         logits = model(batch.input_ids, batch.model_mask(), batch.rows, batch.cols, batch.position_ids)
         value = draft_loss(dc, logits, teacher_for(target_model, batch), batch.labels, vocab)
-        return value, int(batch.attention_mask.sum())
+        return value, tokens
 
     def evaluate(model) -> dict:
         if not heldout:

@@ -142,12 +142,14 @@ def run(cfg: Config) -> Path:
         accelerator.wait_for_everyone()
 
     def loss(model, micro: list[int], drawn: dict) -> tuple[torch.Tensor, int]:
-        batch = collate([train[i] for i in micro], pad_id, False).to(accelerator.device)
+        batch = collate([train[i] for i in micro], pad_id, False)
+        tokens = int(batch.attention_mask.sum())  # counted on the host: no device sync
+        batch = batch.to(accelerator.device)
         if cache is not None:
             view = view_from_hidden(target_model, cache.hidden(micro, batch), batch, vocab_ids, hc.target_bf16)
         else:
             view = target_view(target_model, batch, layers, vocab_ids, hc.target_bf16)
-        return model(view, batch).loss, int(batch.attention_mask.sum())
+        return model(view, batch).loss, tokens
 
     def evaluate(model) -> dict:
         if not heldout:
