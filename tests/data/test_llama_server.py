@@ -22,8 +22,13 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def llama_server(tmp_path_factory):
+    import importlib.util
+
     import httpx
 
+    if importlib.util.find_spec("llama_cpp") is None:
+        pytest.fail("llama.cpp's server (llama-cpp-python[server]) is not installed: `make setup-server` builds it "
+                    "(`make test` does)")
     package, import_name, gguf = EMBEDDED_TARGETS["smollm2_135m"]
     model = installed_package_dir(import_name) / gguf
     port = free_port()
