@@ -112,7 +112,7 @@ def served(target, convs, max_new_tokens: int, topk: int, concurrency: list[int]
         settings = Settings(tokenizer=tok, pieces=Pieces(tok), max_new_tokens=max_new_tokens, temperature=0.0,
                             top_p=1.0, max_length=4096, max_turns=1, topk=topk, end_of_turn=end_of_turn_id(tok, eos),
                             eos_ids=set(eos), seed=0)
-        probe = tok.decode(first_prompt_ids(tok, convs[0]))
+        probe = first_prompt_ids(tok, convs[0])
         for c in concurrency:
             tokens = [0]
             t0 = time.perf_counter()

@@ -163,6 +163,10 @@ class ServerConfig:
     on the next URL, after backoff_s, 2 * backoff_s, ...; a conversation still failing is
     skipped and counted (skipped_records.server_failed)."""
     backoff_s: float = 1.0
+    prompt: str = "auto"
+    """How prompts go to the server: ids (token ids: vLLM, SGLang, llama.cpp's C++ server take
+    them, and nothing is tokenized twice), text (the rendering's text: llama-cpp-python), or
+    auto: ids where the first URL takes them, else text."""
     api_key_env: Optional[str] = None
     """The environment variable that holds the API key (sent as a bearer token); the key itself
     never goes in a config, the manifest or a log."""
@@ -173,9 +177,11 @@ class ServerConfig:
             _check_positive(f"generate.server.{name}", getattr(self, name))
         if self.retries < 0 or self.backoff_s < 0:
             raise ValueError("generate.server.retries and backoff_s must be >= 0")
+        _check_choice("generate.server.prompt", self.prompt, ("auto", "ids", "text"))
         for url in self.urls:
-            if not re.fullmatch(r"https?://[^/\s]+(/\S*)?", url):
-                raise ValueError(f"generate.server.urls: {url!r} is not an http(s) URL like http://host:8000/v1")
+            if not re.fullmatch(r"https?://[^/\s@]+(/\S*)?", url):  # no user:password@ (it would be logged)
+                raise ValueError(f"generate.server.urls: {url!r} is not an http(s) URL like http://host:8000/v1 "
+                                 "(a key goes in generate.server.api_key_env)")
 
 
 @dataclass

@@ -296,7 +296,7 @@ def run(cfg: Config) -> Path:
         check_file(Path(cfg.data.path).expanduser())
     remote = cfg.generate.backend == "server"
     target = load_target(**dataclasses.asdict(cfg.target), weights=not remote)
-    fingerprint = target.fingerprint()
+    fingerprint = served_fingerprint(target) if remote else target.fingerprint()
     plan = plan_key(cfg, fingerprint)
     fast, graphs = (False, False) if remote or target.split else fast_path(cfg.generate.cuda_graphs, target.device.type)
     static = None
@@ -459,7 +459,7 @@ def generate_remotely(cfg: Config, target: Target, shards: dict[int, list[Conver
                         temperature=gen.temperature, top_p=gen.top_p, max_length=gen.max_length,
                         max_turns=cfg.data.max_turns, topk=gen.save_topk_logits,
                         end_of_turn=end_of_turn_id(tok, eos_list), eos_ids=set(eos_list), seed=cfg.seed)
-    probe = tok.decode(first_prompt_ids(tok, Conversation(id="probe", source="", user_turns=["Hello"])))
+    probe = first_prompt_ids(tok, Conversation(id="probe", source="", user_turns=["Hello"]))
     done = []
 
     def write(index: int, rows: list[dict], counts: Counter, model: str) -> None:
@@ -469,10 +469,21 @@ def generate_remotely(cfg: Config, target: Target, shards: dict[int, list[Conver
         done.append(index)
 
     try:
-        generate_shards(gen.server, shards, settings, write, probe, progress)
+        generate_shards(gen.server, shards, settings, write, probe, progress, expected_model=server_model(shards_dir))
     except ServerGone as e:
         raise PipelineError(f"{e}; {len(done)} of {len(shards)} shards were finished and are kept: restart the "
                             f"server and run the same command again to resume") from None
+
+
+def served_fingerprint(target: Target) -> Optional[str]:
+    """The target's fingerprint where its weights are on this disk; for a target only served
+    (its tokenizer and config here) None, and the later stages' check that they load the same
+    target is left to them."""
+    try:
+        return target.fingerprint()
+    except PipelineError as e:
+        log.warning("generate: %s; the dataset records no target fingerprint", e)
+        return None
 
 
 def server_model(shards_dir: Path) -> Optional[str]:
@@ -492,7 +503,10 @@ def write_shard(path: Path, rows: list[dict], topk: int, dropped: Counter) -> No
     import datasets
 
     with atomic_dir(path, "shard") as tmp:
-        datasets.Dataset.from_list(rows, features=features(topk)).save_to_disk(str(tmp))
+        columns = features(topk)
+        table = datasets.Dataset.from_list(rows, features=columns) if rows else \
+            datasets.Dataset.from_dict({name: [] for name in columns}, features=columns)
+        table.save_to_disk(str(tmp))
         atomic_write_json(tmp / DROPPED, dict(dropped))
 
 

@@ -1,12 +1,13 @@
 """generate.backend=server: the target's answers from OpenAI-compatible serving engines (vLLM,
 SGLang, llama.cpp) instead of our decoder, with the rows `local` writes.
 
-Each conversation's turns go in order to one of the URLs through `/completions` with the text
-of our chat template's rendering as the prompt (the server applies no template of its own).
-The answer's text is tokenized again with the target's tokenizer; a token is kept for
-learning (loss mask 1) only where it round-trips: the server generated a token with the same
-characters at the same place (or, where the server gives ids, the same id), since only there
-are the stored ids what the target produced and the server's top-k its distribution there.
+Each conversation's turns go in order to one of the URLs through `/completions`, the prompt
+our chat template's rendering (the server applies no template of its own) as token ids where
+the server takes them (vLLM, SGLang, llama.cpp's C++ server), else as its text
+(llama-cpp-python). The answer's text is tokenized again with the target's tokenizer; a token
+is kept for learning (loss mask 1) only where it round-trips: the server generated one token
+spanning the same characters (or, where the server gives ids, it is that id), since only
+there are the stored ids what the target produced and the server's top-k its distribution there.
 
 Top-k comes from `top_logprobs`: log-probabilities are the logits minus one constant per
 position (log Σ exp logits), which the KD losses' softmax over the top-k removes, so they are
@@ -41,6 +42,9 @@ class ServerGone(PipelineError):
 class RequestFailed(Exception):
     """One request failed after its retries; the conversation is skipped and counted."""
 
+    turns_left = 0
+    """Set by converse: the conversation's planned turns not done."""
+
 
 @dataclass
 class Completion:
@@ -51,6 +55,8 @@ class Completion:
     """The generated tokens as the server names them (their text, or vLLM's token_id:N)."""
     top: list[dict[str, float]]
     """Per generated token, its top_logprobs (token -> log-probability); [] when not asked."""
+    offsets: Optional[list[int]] = None
+    """Per generated token, where it starts (text_offset, from the prompt's start), if given."""
 
 
 def first_line(text: str, width: int = 200) -> str:
@@ -59,8 +65,8 @@ def first_line(text: str, width: int = 200) -> str:
 
 
 class Client:
-    """The endpoints of generate.server: requests spread round-robin, retried with backoff on
-    the next URL; `check` before the run, `complete` per turn."""
+    """The endpoints of generate.server: `check` before the run, `complete` per turn; a request
+    that fails is tried again on the next URL after a backoff."""
 
     def __init__(self, server, *, topk: int) -> None:
         import httpx
@@ -68,6 +74,7 @@ class Client:
         self.urls = [u.rstrip("/") for u in server.urls]
         self.server, self.topk = server, topk
         self.model: Optional[str] = server.model
+        self.prompt_ids = server.prompt == "ids"
         headers = {}
         if server.api_key_env:
             key = os.environ.get(server.api_key_env)
@@ -78,72 +85,112 @@ class Client:
         limits = httpx.Limits(max_connections=server.concurrency, max_keepalive_connections=server.concurrency)
         self.http = httpx.AsyncClient(headers=headers, timeout=httpx.Timeout(server.timeout_s, connect=10.0),
                                       limits=limits)
-        self.turn = 0
+        self.requests = 0
 
     async def close(self) -> None:
         await self.http.aclose()
 
-    async def check(self, probe_prompt: str) -> str:
-        """Every URL answers /models (one line naming the first that does not); the model id to
-        ask for; and a one-token request with the top-k asked for (a k the server refuses is one
-        line naming both)."""
-        import httpx
-
+    async def check(self, probe: list[int], probe_text: str) -> str:
+        """Every URL answers /models and serves the model (one line naming the first that does
+        not; the model: generate.server.model, or the first the first URL lists), the prompt
+        form (generate.server.prompt=auto: token ids where the first URL takes them, else
+        text), and a one-token request with the top-k asked for answers with log-probabilities
+        on every URL (a k the server refuses is one line naming both)."""
         for url in self.urls:
-            try:
-                response = await self.http.get(f"{url}/models", timeout=10.0)
-            except httpx.HTTPError as e:
-                raise PipelineError(f"generate.server.urls: cannot reach {url}/models ({type(e).__name__}: "
-                                    f"{first_line(e) or 'no answer'}); start the server or fix the URL") from None
-            if response.status_code != 200:
-                raise PipelineError(f"generate.server.urls: {url}/models answered HTTP {response.status_code}: "
-                                    f"{first_line(response.text)}")
+            served = await self.models(url)
             if self.model is None:
-                served = [m.get("id") for m in response.json().get("data", [])]
                 if not served:
                     raise PipelineError(f"{url}/models lists no model; set generate.server.model=<id>")
                 self.model = served[0]
-        try:
-            await self.complete(probe_prompt, max_tokens=1, temperature=0.0, top_p=1.0, seed=None)
-        except RequestFailed as e:
-            if self.topk and "logprob" in str(e).lower():
-                raise PipelineError(f"generate.save_topk_logits={self.topk} is more top_logprobs than the server "
-                                    f"allows ({e}); lower it, or raise the server's limit (vLLM: --max-logprobs)") from None
-            raise PipelineError(f"generate.server: a one-token request for model {self.model!r} failed: {e}") from None
+            elif served and self.model not in served:
+                raise PipelineError(f"{url} serves {', '.join(served[:3])}, not generate.server.model={self.model}")
+        if self.server.prompt == "auto":
+            status, _ = await self.post(self.urls[0], self.body(probe, 1, 0.0, 1.0, None), retry=True)
+            self.prompt_ids = status == 200
+            log.info("generate: prompts go to the server as %s", "token ids" if self.prompt_ids else "text")
+        for url in self.urls:
+            status, answer = await self.post(url, self.body(probe if self.prompt_ids else probe_text, 1, 0.0, 1.0,
+                                                            None), retry=True)
+            if status != 200:
+                if self.topk and "logprob" in str(answer).lower():
+                    raise PipelineError(f"generate.save_topk_logits={self.topk} is more top_logprobs than {url} "
+                                        f"allows (HTTP {status}: {first_line(answer)}); lower it, or raise the "
+                                        "server's limit (vLLM: --max-logprobs)")
+                raise PipelineError(f"{url}/completions refused a one-token request for {self.model!r}: HTTP "
+                                    f"{status} {first_line(answer)}")
+            try:
+                choice = answer["choices"][0]
+            except (TypeError, KeyError, IndexError):
+                raise PipelineError(f"{url}/completions answered {first_line(answer)}: not a completion") from None
+            if not isinstance(choice, dict) or choice.get("logprobs") is None:
+                raise PipelineError(f"{url}/completions answered without logprobs, which generate needs to check "
+                                    "the answer's tokens; use an engine that returns them (vLLM, SGLang, llama.cpp)")
         return self.model
 
-    def body(self, prompt: str, max_tokens: int, temperature: float, top_p: float, seed: Optional[int]) -> dict:
+    async def models(self, url: str) -> list[str]:
+        import httpx
+
+        try:
+            response = await self.http.get(f"{url}/models", timeout=10.0)
+        except httpx.HTTPError as e:
+            raise PipelineError(f"generate.server.urls: cannot reach {url}/models ({type(e).__name__}: "
+                                f"{first_line(e) or 'no answer'}); start the server or fix the URL") from None
+        if response.status_code != 200:
+            raise PipelineError(f"generate.server.urls: {url}/models answered HTTP {response.status_code}: "
+                                f"{first_line(response.text)}")
+        try:
+            return [m["id"] for m in response.json().get("data", [])]
+        except (ValueError, AttributeError, KeyError, TypeError):
+            raise PipelineError(f"generate.server.urls: {url}/models answered {first_line(response.text)}: not "
+                                "an OpenAI model list") from None
+
+    async def post(self, url: str, body: dict, retry: bool = False):
+        """(HTTP status, the JSON answer or the text); status 0 when no answer came. With
+        `retry`, a failure that may pass (no answer, 5xx, 429) is tried again on the same URL."""
+        import httpx
+
+        for attempt in range(self.server.retries + 1 if retry else 1):
+            if attempt:
+                await asyncio.sleep(self.server.backoff_s * 2 ** (attempt - 1))
+            try:
+                response = await self.http.post(f"{url}/completions", json=body)
+            except httpx.HTTPError as e:
+                status, answer = 0, type(e).__name__
+                continue
+            try:
+                status, answer = response.status_code, response.json()
+            except ValueError:
+                status, answer = response.status_code, response.text
+            if status not in RETRY_STATUS:
+                break
+        return status, answer
+
+    def body(self, prompt, max_tokens: int, temperature: float, top_p: float, seed: Optional[int]) -> dict:
         body = dict(model=self.model, prompt=prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                     logprobs=max(self.topk, 1), stream=False)
         if seed is not None:
             body["seed"] = seed
         return body
 
-    async def complete(self, prompt: str, *, max_tokens: int, temperature: float, top_p: float,
-                       seed: Optional[int]) -> Completion:
-        import httpx
-
-        body = self.body(prompt, max_tokens, temperature, top_p, seed)
-        failures = []
+    async def complete(self, prompt: list[int], prompt_text: str, *, max_tokens: int, temperature: float,
+                       top_p: float, seed: Optional[int]) -> Completion:
+        body = self.body(prompt if self.prompt_ids else prompt_text, max_tokens, temperature, top_p, seed)
+        first, failures = self.requests, []
+        self.requests += 1
         for attempt in range(self.server.retries + 1):
             if attempt:
                 await asyncio.sleep(self.server.backoff_s * 2 ** (attempt - 1))
-            url = self.urls[self.turn % len(self.urls)]
-            self.turn += 1
-            try:
-                response = await self.http.post(f"{url}/completions", json=body)
-            except httpx.HTTPError as e:
-                failures.append(f"{url}: {type(e).__name__}")
-                continue
-            if response.status_code in RETRY_STATUS:
-                failures.append(f"{url}: HTTP {response.status_code}")
-                continue
-            if response.status_code != 200:
-                raise RequestFailed(f"{url}: HTTP {response.status_code} {first_line(response.text)}")
-            try:
-                return parse_completion(response.json())
-            except (ValueError, KeyError, IndexError, TypeError) as e:
-                failures.append(f"{url}: unreadable answer ({type(e).__name__}: {first_line(e, 80)})")
+            url = self.urls[(first + attempt) % len(self.urls)]  # each try on the next URL
+            status, answer = await self.post(url, body)
+            if status == 200:
+                try:
+                    return parse_completion(answer)
+                except (ValueError, KeyError, IndexError, TypeError, AttributeError) as e:
+                    failures.append(f"{url}: unreadable answer ({type(e).__name__}: {first_line(e, 80)})")
+            elif status == 0 or status in RETRY_STATUS:
+                failures.append(f"{url}: {f'HTTP {status}' if status else answer}")
+            else:
+                raise RequestFailed(f"{url}: HTTP {status} {first_line(answer)}")
         if not await self.any_alive():
             raise ServerGone(f"generate.server: no URL answers any more ({'; '.join(failures[-2:])})")
         raise RequestFailed("; ".join(failures[-3:]))
@@ -161,11 +208,21 @@ class Client:
 
 
 def parse_completion(answer: dict) -> Completion:
+    """A /completions answer, its logprobs in the completions form (tokens, top_logprobs,
+    text_offset: vLLM, SGLang, llama-cpp-python) or the chat form (content: llama.cpp's server)."""
     choice = answer["choices"][0]
     logprobs = choice.get("logprobs") or {}
-    tokens = list(logprobs.get("tokens") or [])
-    top = [dict(t or {}) for t in (logprobs.get("top_logprobs") or [])]
-    return Completion(text=choice["text"], finished=choice.get("finish_reason") == "stop", tokens=tokens, top=top)
+    if "content" in logprobs:
+        entries = logprobs["content"] or []
+        tokens = [e["token"] for e in entries]
+        top = [{t["token"]: t["logprob"] for t in e.get("top_logprobs") or []} for e in entries]
+        offsets = None
+    else:
+        tokens = list(logprobs.get("tokens") or [])
+        top = [dict(t or {}) for t in (logprobs.get("top_logprobs") or [])]
+        offsets = logprobs.get("text_offset")
+    return Completion(text=choice["text"], finished=choice.get("finish_reason") == "stop", tokens=tokens, top=top,
+                      offsets=offsets)
 
 
 class Pieces:
@@ -194,45 +251,76 @@ class Answer:
     topk_logits: Optional[np.ndarray] = None
 
 
-def answer_from(completion: Completion, pieces: Pieces, encode: Callable[[str], list[int]], eos_ids: set[int],
-                end_of_turn: int, topk: int, counts: Counter) -> Answer:
+def token_ends(tokenizer, text: str) -> tuple[list[int], list[int]]:
+    """The target's tokens of `text` and the character offset where each ends (the fast
+    tokenizer's offsets; a slow one's by decoding growing prefixes)."""
+    try:
+        encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        return encoded["input_ids"], [end for _, end in encoded["offset_mapping"]]
+    except NotImplementedError:
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        return ids, [len(tokenizer.decode(ids[: i + 1])) for i in range(len(ids))]
+
+
+def server_spans(completion: Completion) -> Optional[list[tuple[int, int]]]:
+    """Where each of the server's tokens lies in its text: from the tokens themselves where they
+    spell the text, else from text_offset; None when neither says."""
+    tokens, text = completion.tokens, completion.text
+    if "".join(tokens) == text:
+        starts = [0]
+        for t in tokens:
+            starts.append(starts[-1] + len(t))
+        return list(zip(starts, starts[1:]))
+    if completion.offsets and len(completion.offsets) == len(tokens):
+        starts = [o - completion.offsets[0] for o in completion.offsets]
+        return list(zip(starts, [*starts[1:], len(text)]))
+    return None
+
+
+def answer_from(completion: Completion, pieces: Pieces, tokenizer, eos_ids: set[int], end_of_turn: int, topk: int,
+                counts: Counter) -> Answer:
     """The answer as target token ids with its loss mask (and top-k rows for the learned
     tokens), counting round_tripped / not_round_tripped tokens (and
     end_of_turn_without_logprobs) in `counts`.
 
     Server ids (vLLM's token_id:N) are the answer itself. Otherwise the text is tokenized
-    again and a token round-trips where the server generated a token of the same text at the
-    same character offset. A finished answer ends with an end-of-turn token, as a local one
-    does; the server's text leaves it out, and its top-k is the server's entry after the text
-    (a trailing token of no text, or a stop id) where there is one.
+    again, and a token round-trips where the server generated exactly one token over the same
+    characters: both tokenizations cut the text at its start and at its end, with no cut in
+    between (the bytes of one character, cut in several tokens, never round-trip). A finished answer ends with an end-of-turn token, as a local one does: the
+    server's own stop id where it lists it, else the template's; its top-k is the server's
+    entry after the text (a stop id, or a trailing token of no text) where there is one.
     """
     tokens = completion.tokens
-    top_of: list[Optional[int]] = []  # per answer token: its index in the server's tokens (None: no round trip)
-    end_top: Optional[int] = None
+    top_of: list[Optional[int]] = []  # per answer token: its index among the server's tokens (None: no round trip)
+    end_id, end_top = end_of_turn, None
     if tokens and all(TOKEN_ID.fullmatch(t) for t in tokens):
         ids = [pieces.id(t) for t in tokens]
         top_of = list(range(len(ids)))
         if completion.finished and ids[-1] in eos_ids:
-            ids, top_of, end_top = ids[:-1], top_of[:-1], len(ids) - 1
+            end_id, end_top = ids[-1], len(ids) - 1
+            ids, top_of = ids[:-1], top_of[:-1]
     else:
-        ids = encode(completion.text)
-        served, offset = {}, 0
-        for j, text in enumerate(tokens):
-            served.setdefault((offset, text), j)
-            offset += len(text)
-        offset = 0
-        for i in ids:
-            text = pieces.text[i]
-            top_of.append(served.get((offset, text)) if text else None)
-            offset += len(text)
-        end_top = served.get((len(completion.text), ""))
+        ids, ends = token_ends(tokenizer, completion.text)
+        spans = server_spans(completion) or []
+        starting = {}
+        for j, (start, end) in enumerate(spans):
+            if end > start:
+                starting.setdefault(start, (j, end))
+            elif start >= len(completion.text) and end_top is None:
+                end_top = j  # a token of no text after the answer: the stop token
+        cut = 0
+        for i, end in enumerate(ends):
+            j, server_end = starting.get(cut, (None, None))
+            alone = end > cut and (i + 1 == len(ends) or ends[i + 1] > end)  # not one of several bytes of a character
+            top_of.append(j if alone and server_end == end else None)
+            cut = max(cut, end)
     learned = [j is not None for j in top_of]
     counts["round_tripped"] += sum(learned)
     counts["not_round_tripped"] += len(learned) - sum(learned)
     rows = [j for j in top_of if j is not None]
     mask = [int(k) for k in learned]
     if completion.finished:
-        ids = ids + [end_of_turn]
+        ids = [*ids, end_id]
         learnable = not topk or (end_top is not None and end_top < len(completion.top))
         mask.append(int(learnable))
         if not learnable:
@@ -309,14 +397,16 @@ def turn_seed(seed: int, conv_id: str, turn: int) -> int:
 async def converse(client: Client, conv, s: Settings, counts: Counter,
                    progress: Optional[Callable[[int, int], None]] = None) -> Optional[dict]:
     """One conversation, its turns in order (each sees the target's earlier answers): its row
-    as the local backend writes it, or None when its first turn does not fit max_length.
-    Counts cut turns and whole conversations dropped in `counts` as regenerate does."""
-    from pipeline.data.chat import encode, first_prompt_ids, next_turn_ids
+    as the local backend writes it, or None when its first turn does not fit max_length. Adds
+    to `counts` (cut turns, whole conversations dropped, round trips) once it is done; a
+    RequestFailed it raises says in `turns_left` how many planned turns it did not do."""
+    from pipeline.data.chat import first_prompt_ids, next_turn_ids
 
     tok = s.tokenizer
     num_turns = min(len(conv.user_turns), s.max_turns or len(conv.user_turns))
     ids, mask, answers = [], [], []
     top_ids, top_logits = [], []
+    mine = Counter()
     done = 0
     for turn in range(num_turns):
         if turn == 0:
@@ -324,17 +414,20 @@ async def converse(client: Client, conv, s: Settings, counts: Counter,
         else:
             new = next_turn_ids(tok, conv, turn, answers, ids[-1], s.eos_ids)
         if len(ids) + len(new) + s.max_new_tokens > s.max_length:
-            counts["turns_cut_by_max_length"] += num_turns - turn
-            counts["too_long_for_max_length"] += turn == 0
+            mine["turns_cut_by_max_length"] += num_turns - turn
+            mine["too_long_for_max_length"] += turn == 0
             if progress:
                 progress(num_turns - turn, 0)
             break
         context = ids + new
-        completion = await client.complete(tok.decode(context), max_tokens=s.max_new_tokens,
-                                           temperature=s.temperature, top_p=s.top_p,
-                                           seed=turn_seed(s.seed, conv.id, turn))
-        answer = answer_from(completion, s.pieces, lambda text: encode(tok, text), s.eos_ids, s.end_of_turn, s.topk,
-                             counts)
+        try:
+            completion = await client.complete(context, tok.decode(context), max_tokens=s.max_new_tokens,
+                                               temperature=s.temperature, top_p=s.top_p,
+                                               seed=turn_seed(s.seed, conv.id, turn))
+        except RequestFailed as e:
+            e.turns_left = num_turns - turn
+            raise
+        answer = answer_from(completion, s.pieces, tok, s.eos_ids, s.end_of_turn, s.topk, mine)
         mask += [0] * len(new) + answer.mask
         ids = context + answer.ids
         answers.append(tok.decode(answer.ids, skip_special_tokens=True))
@@ -344,6 +437,7 @@ async def converse(client: Client, conv, s: Settings, counts: Counter,
         done += 1
         if progress:
             progress(1, len(answer.ids))
+    counts.update(mine)
     if not done:
         return None
     row = dict(id=conv.id, source=conv.source, category=conv.category, num_turns=done, answers="target",
@@ -355,13 +449,14 @@ async def converse(client: Client, conv, s: Settings, counts: Counter,
 
 
 def generate_shards(server, shards: dict[int, list], s: Settings,
-                    write: Callable[[int, list[dict], Counter, str], None], probe_prompt: str,
-                    progress: Optional[Callable[[int, int], None]] = None) -> str:
-    """Check the endpoints (Client.check), then every conversation of `shards` (index ->
-    conversations) through them, at most server.concurrency in flight; write(index, rows in
-    order, counts) as each shard completes. A conversation whose request still fails after its
-    retries is skipped and counted (server_failed); ServerGone stops the run, the shards
-    written so far stay. write also gets the served model id, which this returns."""
+                    write: Callable[[int, list[dict], Counter, str], None], probe: list[int],
+                    progress: Optional[Callable[[int, int], None]] = None, expected_model: Optional[str] = None) -> str:
+    """Check the endpoints (Client.check, with the prompt ids `probe`), then every conversation
+    of `shards` (index -> conversations) through them, at most server.concurrency in flight;
+    write(index, rows in order, counts, model id) as each shard completes. A conversation whose
+    request still fails after its retries is skipped and counted (server_failed); ServerGone
+    stops the run, the shards written so far stay. The served model must be `expected_model`
+    (the one the run's finished shards came from) where that is given. Returns the model id."""
     order = [(index, position, conv) for index, convs in shards.items() for position, conv in enumerate(convs)]
     rows = {index: [None] * len(convs) for index, convs in shards.items()}
     left = {index: len(convs) for index, convs in shards.items()}
@@ -377,13 +472,18 @@ def generate_shards(server, shards: dict[int, list], s: Settings,
                 rows[index][position] = await converse(client, conv, s, counts[index], progress)
             except RequestFailed as e:
                 counts[index]["server_failed"] += 1
+                if progress:
+                    progress(e.turns_left, 0)
                 log.warning("generate: conversation %s skipped after %d tries: %s", conv.id, server.retries + 1, e)
             left[index] -= 1
             if not left[index]:
                 write(index, [r for r in rows[index] if r is not None], counts[index], model)
 
         try:
-            model = await client.check(probe_prompt)
+            model = await client.check(probe, s.tokenizer.decode(probe))
+            if expected_model is not None and model != expected_model:
+                raise PipelineError(f"generate: this run's finished shards came from {expected_model}, the server "
+                                    f"now serves {model}; serve that model again, or start another run=<name>")
             log.info("generate: %s from %s, %d conversations in flight", model, ", ".join(client.urls),
                      server.concurrency)
             await run_all(order, one, server.concurrency)

@@ -23,8 +23,8 @@ class Faults:
     slow_first: int = 0
     """... or answer only after `slow_s`."""
     slow_s: float = 0.0
-    always_fail: str = ""
-    """A prompt containing this text always answers HTTP 500."""
+    always_fail: tuple[str, ...] = ()
+    """A prompt containing one of these texts always answers HTTP 500."""
     die_after: int = 0
     """Stop listening after this many answers (0: never)."""
     max_logprobs: int = 20
@@ -35,12 +35,15 @@ class Faults:
 
 
 class FakeServer:
-    def __init__(self, target_dir, faults: Faults | None = None, ids: bool = False, port: int = 0) -> None:
+    def __init__(self, target_dir, faults: Faults | None = None, ids: bool = False, text_prompts: bool = False,
+                 port: int = 0) -> None:
+        """ids: name tokens token_id:N (vLLM); text_prompts: refuse token-id prompts with HTTP 422
+        (llama-cpp-python)."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.tok = AutoTokenizer.from_pretrained(target_dir)
         self.model = AutoModelForCausalLM.from_pretrained(target_dir).eval()
-        self.faults, self.ids, self.lock = faults or Faults(), ids, threading.Lock()
+        self.faults, self.ids, self.text_prompts, self.lock = faults or Faults(), ids, text_prompts, threading.Lock()
         self.requests: list[dict] = []
         self.dead = False
         server = self
@@ -92,15 +95,21 @@ class FakeServer:
 
     def answer(self, body: dict, handler):
         f = self.faults
-        prompt = body["prompt"]
         if self.dead:
             return None, None
+        if isinstance(body["prompt"], list):
+            if self.text_prompts:
+                return 422, {"detail": [{"loc": ["body", "prompt"], "msg": "Input should be a valid string"}]}
+            ids, prompt = body["prompt"], self.tok.decode(body["prompt"])
+        else:
+            prompt = body["prompt"]
+            ids = self.tok(prompt, add_special_tokens=False)["input_ids"]
         with self.lock:
-            self.requests.append(body)
+            self.requests.append({**body, "text": prompt})
             tries = f.seen[prompt] = f.seen.get(prompt, 0) + 1
         if body.get("logprobs") and body["logprobs"] > f.max_logprobs:
             return 400, {"error": {"message": f"logprobs {body['logprobs']} > max_logprobs {f.max_logprobs}"}}
-        if f.always_fail and f.always_fail in prompt:
+        if any(text in prompt for text in f.always_fail):
             return 500, {"error": "internal"}
         if tries <= f.fail_first:
             return 500, {"error": "internal"}
@@ -109,7 +118,7 @@ class FakeServer:
         if tries <= f.fail_first + f.drop_first + f.slow_first:
             time.sleep(f.slow_s)
         time.sleep(f.delay_s)
-        text, tokens, tops, finish = self.decode(prompt, body["max_tokens"], body.get("logprobs") or 0)
+        text, tokens, tops, finish = self.decode(ids, body["max_tokens"], body.get("logprobs") or 0)
         with self.lock:
             f.answered += 1
             if f.die_after and f.answered >= f.die_after:
@@ -122,10 +131,9 @@ class FakeServer:
         return f"token_id:{token}" if self.ids else self.tok.decode([token])
 
     @torch.inference_mode()
-    def decode(self, prompt: str, max_tokens: int, k: int):
+    def decode(self, ids: list[int], max_tokens: int, k: int):
         """Greedy, as llama.cpp: the end-of-turn token ends the text and is not in it; with
         ids (vLLM) it is the last token listed."""
-        ids = self.tok(prompt, add_special_tokens=False)["input_ids"]
         eos = self.tok.eos_token_id
         out, tokens, tops, finish = [], [], [], "length"
         for _ in range(max_tokens):

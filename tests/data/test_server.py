@@ -72,12 +72,14 @@ def rows(out: Path) -> list[dict]:
     return datasets.load_from_disk(str(out / "dataset")).to_list()
 
 
-@pytest.mark.parametrize("ids", [False, True], ids=["token-text", "token-ids"])
-def test_the_server_backend_writes_the_local_backends_dataset(ascii_target, prompts, tmp_path, ids):
+@pytest.mark.parametrize("ids, text_prompts", [(False, False), (True, False), (False, True)],
+                         ids=["token-texts", "token-ids", "text-prompts"])
+def test_the_server_backend_writes_the_local_backends_dataset(ascii_target, prompts, tmp_path, ids, text_prompts):
     """Greedy, the same target: the same ids, turns and (where the server gives the end of
-    turn's logprobs) masks; top-k ids equal and log-probabilities = logits − a constant per row."""
+    turn's logprobs) masks; top-k ids equal and log-probabilities = logits − a constant per row.
+    Prompts go as token ids, or as text to a server that takes no ids (prompt=auto)."""
     local = generate.run(compose_config(*overrides(ascii_target, prompts, tmp_path, "generate.save_topk_logits=4")))
-    fake = FakeServer(ascii_target, ids=ids)
+    fake = FakeServer(ascii_target, ids=ids, text_prompts=text_prompts)
     try:
         remote = generate.run(compose_config(*overrides(ascii_target, prompts, tmp_path, "run=s",
                                                         "generate.save_topk_logits=4", *server(fake.url))))
@@ -107,6 +109,8 @@ def test_the_server_backend_writes_the_local_backends_dataset(ascii_target, prom
     assert manifest["server"]["urls"] == [fake.url]
     assert tokens["not_round_tripped"] == 0 and tokens["round_tripped"] > 0
     assert tokens["end_of_turn_without_logprobs"] == (0 if ids else finished)
+    prompts_sent = [r["prompt"] for r in fake.requests if r["max_tokens"] > 1]
+    assert all(isinstance(p, str) if text_prompts else isinstance(p, list) for p in prompts_sent)
 
 
 def test_kd_losses_are_equal_on_logits_and_on_log_probabilities():
@@ -136,7 +140,7 @@ def test_a_token_that_does_not_round_trip_is_not_learned_and_is_counted():
     done = Completion(text="abcd", finished=True, tokens=["ab", "c", "d", ""],
                       top=[{"ab": -0.1}, {"c": -0.2, "x": -3.0}, {"d": -0.3}, {"<|im_end|>": -0.01}])
     counts = Counter()
-    answer = answer_from(done, pieces, encode, {tok.eos_token_id}, tok.eos_token_id, 2, counts)
+    answer = answer_from(done, pieces, tok, {tok.eos_token_id}, tok.eos_token_id, 2, counts)
     assert answer.ids == encode("abcd") + [tok.eos_token_id]
     assert answer.mask == [0, 0, 1, 1, 1]
     assert counts == Counter(round_tripped=2, not_round_tripped=2)
@@ -146,10 +150,52 @@ def test_a_token_that_does_not_round_trip_is_not_learned_and_is_counted():
     assert isinstance(answer, Answer)
 
 
+def test_round_trips_follow_characters_not_decoded_pieces():
+    """A SentencePiece-style tokenizer (▁ for a space, merges): decoded alone, "▁world" loses
+    its space, and an emoji is cut into byte tokens. A server that cut the text where we do
+    round-trips every token (found through text_offset where its token texts do not spell the
+    answer); where it cut otherwise, only those tokens are not learned."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from pipeline.data.server import Completion, Pieces, answer_from
+
+    raw = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>"))
+    raw.normalizer = normalizers.Replace(" ", "▁")
+    raw.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="never")
+    raw.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    bytes_ = [f"<0x{b:02X}>" for b in range(256)]
+    raw.train_from_iterator(["hello world, hello there", "the world says hello"] * 50, trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["<unk>", "</s>", *bytes_], show_progress=False))
+    tok = PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="</s>", unk_token="<unk>")
+    text = "hello world 🙂 there"
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    assert tok.convert_ids_to_tokens(ids) == ["hello", "▁world", "▁", "<0xF0>", "<0x9F>", "<0x99>", "<0x82>", "▁there"]
+    assert tok.decode(ids[1:2]) == "world"  # decoded alone, the space is gone
+    learned = [1, 1, 1, 0, 0, 0, 0, 1]  # the emoji's four byte tokens never round-trip
+    # llama.cpp names a byte that ends no character with no text: the tokens spell the answer.
+    spelled = ["hello", " world", " ", "", "", "", "🙂", " there"]
+    # Another engine names each byte "\ufffd": the tokens do not spell it; text_offset places them.
+    replaced = ["hello", " world", " ", *["\ufffd"] * 4, " there"]
+    offsets = [100 + o for o in (0, 5, 11, 12, 12, 12, 12, 13)]
+    for served, where in ((spelled, None), (replaced, offsets)):
+        counts = Counter()
+        answer = answer_from(Completion(text, False, served, [{} for _ in served], where), Pieces(tok), tok, {1}, 1,
+                             0, counts)
+        assert answer.ids == ids and answer.mask == learned
+        assert counts == Counter(round_tripped=4, not_round_tripped=4)
+    # A server that cut " there" in two: that token is not learned either.
+    counts = Counter()
+    answer = answer_from(Completion(text, False, [*spelled[:-1], " t", "here"], []), Pieces(tok), tok, {1}, 1, 0,
+                         counts)
+    assert answer.mask == [1, 1, 1, 0, 0, 0, 0, 0] and counts["not_round_tripped"] == 5
+
+
 def test_retries_skips_and_counts(ascii_target, prompts, tmp_path):
     """500s, dropped connections and answers slower than the timeout are retried; a
     conversation that keeps failing is skipped and counted; the rest are all there."""
-    faults = Faults(fail_first=1, drop_first=1, slow_first=1, slow_s=1.5, always_fail="question 4")
+    faults = Faults(fail_first=1, drop_first=1, slow_first=1, slow_s=1.5, always_fail=("question 4", "and then 7"))
     fake = FakeServer(ascii_target, faults)
     try:
         out = generate.run(compose_config(*overrides(ascii_target, prompts, tmp_path, *server(
@@ -157,20 +203,23 @@ def test_retries_skips_and_counts(ascii_target, prompts, tmp_path):
     finally:
         fake.stop()
     got = rows(out)
-    assert [r["id"] for r in got] == [f"p{i}" for i in range(10) if i != 4]
+    assert [r["id"] for r in got] == [f"p{i}" for i in range(10) if i not in (4, 7)]  # p7 failed in its 2nd turn
     manifest = json.loads((out / MANIFEST).read_text())
-    assert manifest["skipped_records"] == {"server_failed": 1}
-    assert all(n == 4 for prompt, n in faults.seen.items() if "question 4" not in prompt)  # 3 failures, then an answer
-    assert all(n == 4 for prompt, n in faults.seen.items() if "question 4" in prompt)  # 4 failures: skipped
+    assert manifest["skipped_records"] == {"server_failed": 2}
+    asked = {prompt: n for prompt, n in faults.seen.items() if "user\nHello<" not in prompt}  # not the checks'
+    assert len(asked) == 10 * 2 - 1  # both turns of each conversation but p4's second
+    assert all(n == 4 for prompt, n in asked.items())  # 3 failures then an answer, or 4 failures
+    # the round trips counted are the rows' learned tokens (ends of turn aside): none of p7's first turn
+    eos = ascii_chat_tokenizer().eos_token_id
+    learned = sum(m and t != eos for r in got for t, m in zip(r["input_ids"], r["loss_mask"]))
+    assert manifest["server"]["answer_tokens"]["round_tripped"] == learned
 
 
-def test_bad_server_settings_are_one_line(ascii_target, prompts, tmp_path, monkeypatch):
-    from pipeline.__main__ import main  # noqa: F401  (the CLI's error path is tested in test_cli)
-
+def test_bad_server_settings_are_one_line(ascii_target, prompts, tmp_path):
     fake = FakeServer(ascii_target, Faults(max_logprobs=5))
     try:
         with pytest.raises(PipelineError, match=r"generate.save_topk_logits=8 is more top_logprobs than "
-                                                r"the server allows \(http://127.0.0.1:\d+/v1: HTTP 400 .*max_logprobs 5"):
+                                                r"http://127.0.0.1:\d+/v1 allows \(HTTP 400: .*max_logprobs 5"):
             generate.run(compose_config(*overrides(ascii_target, prompts, tmp_path, "generate.save_topk_logits=8",
                                                    *server(fake.url))))
         with pytest.raises(PipelineError, match="generate.server.api_key_env=NO_SUCH_KEY_VAR but that environment"):
@@ -238,13 +287,13 @@ def test_kill_9_of_the_client_then_rerun_gives_every_conversation_once(ascii_tar
     got = rows(tmp_path / "t" / "generate")
     assert [r["id"] for r in got] == [f"p{i}" for i in range(24)]
     # the finished shards were not asked again (the rerun's one extra request: its one-token check)
-    asked = [r["prompt"] for r in fake.requests[asked_before:] if r["max_tokens"] > 1]
+    asked = [r["text"] for r in fake.requests[asked_before:] if r["max_tokens"] > 1]
     assert sorted(asked) == sorted(f"<|im_start|>user\nprompt {i}<|im_end|>\n<|im_start|>assistant\n"
                                    for i in range(24) if i // 3 not in finished)
 
 
 def test_a_server_that_dies_stops_the_run_in_one_line_and_the_rerun_completes(ascii_target, many, tmp_path):
-    fake = FakeServer(ascii_target, Faults(die_after=10))
+    fake = FakeServer(ascii_target, Faults(die_after=12))  # 2 checks, then 10 conversations: mid-shard
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     args = overrides(ascii_target, many, tmp_path, *server(fake.url, "generate.server.concurrency=1",
                                                             "generate.server.retries=1"))
@@ -255,7 +304,7 @@ def test_a_server_that_dies_stops_the_run_in_one_line_and_the_rerun_completes(as
     assert "Traceback" not in died.stderr
     assert not (tmp_path / "t" / "generate" / MANIFEST).exists()
     kept = len(list((tmp_path / "t" / "generate" / "shards").glob("shard-*")))
-    assert kept >= 1
+    assert kept == 3  # the three whole shards before the death; the fourth's finished conversation is redone
     restarted = FakeServer(ascii_target)  # on another port: the URLs are not part of the plan
     try:
         again = subprocess.run(cli(*[a.replace(fake.url, restarted.url) for a in args]), cwd=tmp_path, env=env,
