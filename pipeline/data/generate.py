@@ -298,11 +298,6 @@ def run(cfg: Config) -> Path:
     target = load_target(**dataclasses.asdict(cfg.target), weights=not remote)
     fingerprint = served_fingerprint(target) if remote else target.fingerprint()
     plan = plan_key(cfg, fingerprint)
-    fast, graphs = (False, False) if remote or target.split else fast_path(cfg.generate.cuda_graphs, target.device.type)
-    static = None
-    if fast:
-        use_static_attention(target.model)
-        static = StaticModel(target.model, graphs)
     if state.is_main_process:
         claim = claim_stage(out, STAGE, plan, overwrite=cfg.generate.overwrite,
                             started=lambda folder: any((folder / "shards").glob("shard-*")))
@@ -348,30 +343,11 @@ def run(cfg: Config) -> Path:
         bar.update(turns)
         bar.set_postfix(tok_s=f"{counts['tokens'] / max(bar.format_dict['elapsed'], 1e-9):.1f}")
 
-    if remote and todo:
-        try:
-            generate_remotely(cfg, target, {s: shards[s] for s in todo}, shards_dir, progress)
-        finally:
-            bar.close()  # before an error's line
-    for s in [] if remote else todo:
-        # A shard's seed depends only on its index: a resumed or re-split run samples the same.
-        torch.manual_seed(cfg.seed * 1_000_003 + s)
-        shard_t0, shard_tokens = time.perf_counter(), counts["tokens"]
-        dropped = Counter()
-        rows = regenerate(
-            target, shards[s], max_new_tokens=gen.max_new_tokens, temperature=gen.temperature, top_p=gen.top_p,
-            batch_size=gen.batch_size, max_length=gen.max_length, max_turns=max_turns,
-            target_answers=gen.target_answers, topk=gen.save_topk_logits, progress=progress, dropped=dropped,
-            fast=static,
-        )
-        if gen.save_topk_logits:
-            scored = [r for r in rows if r["answers"] == "source"]
-            topk_logits(target.model, scored, gen.save_topk_logits, gen.batch_size)
-        write_shard(shards_dir / shard_name(s), rows, gen.save_topk_logits, dropped)
-        tokens = counts["tokens"] - shard_tokens
-        tracker.log({"generate/shard": s, "generate/tokens": tokens,
-                     "generate/tokens_per_s": tokens / (time.perf_counter() - shard_t0)})
-    bar.close()
+    try:
+        if todo:
+            BACKENDS[gen.backend](cfg, target, {s: shards[s] for s in todo}, shards_dir, progress, tracker)
+    finally:
+        bar.close()  # before an error's line
 
     state.wait_for_everyone()
     if state.is_main_process:
@@ -443,12 +419,45 @@ def example(dataset_dir: Path, tokenizer, width: int = 300) -> str:
     return f"first {kind} answer ({row['source']} {row['id']}): {answer[:width]}{' ...' if len(answer) > width else ''}"
 
 
+def generate_locally(cfg: Config, target: Target, shards: dict[int, list[Conversation]], shards_dir: Path,
+                     progress: Callable[[int, int], None], tracker) -> None:
+    """generate.backend=local: the shards' conversations decoded here (regenerate), one shard
+    after the other, each written when done."""
+    gen = cfg.generate
+    fast, graphs = (False, False) if target.split else fast_path(gen.cuda_graphs, target.device.type)
+    static = None
+    if fast:
+        use_static_attention(target.model)
+        static = StaticModel(target.model, graphs)
+    for s, convs in shards.items():
+        # A shard's seed depends only on its index: a resumed or re-split run samples the same.
+        torch.manual_seed(cfg.seed * 1_000_003 + s)
+        shard_t0, made, dropped = time.perf_counter(), Counter(), Counter()
+
+        def counted(turns: int, tokens: int) -> None:
+            made["tokens"] += tokens
+            progress(turns, tokens)
+
+        rows = regenerate(
+            target, convs, max_new_tokens=gen.max_new_tokens, temperature=gen.temperature, top_p=gen.top_p,
+            batch_size=gen.batch_size, max_length=gen.max_length, max_turns=cfg.data.max_turns,
+            target_answers=gen.target_answers, topk=gen.save_topk_logits, progress=counted, dropped=dropped,
+            fast=static,
+        )
+        if gen.save_topk_logits:
+            scored = [r for r in rows if r["answers"] == "source"]
+            topk_logits(target.model, scored, gen.save_topk_logits, gen.batch_size)
+        write_shard(shards_dir / shard_name(s), rows, gen.save_topk_logits, dropped)
+        tracker.log({"generate/shard": s, "generate/tokens": made["tokens"],
+                     "generate/tokens_per_s": made["tokens"] / (time.perf_counter() - shard_t0)})
+
+
 ROUND_TRIP = ("round_tripped", "not_round_tripped", "end_of_turn_without_logprobs")
 SERVER = "server.json"
 
 
 def generate_remotely(cfg: Config, target: Target, shards: dict[int, list[Conversation]], shards_dir: Path,
-                      progress: Callable[[int, int], None]) -> None:
+                      progress: Callable[[int, int], None], tracker) -> None:
     """generate.backend=server: the shards' conversations answered by the server (data/server.py),
     each shard written as it completes, the served model id in SERVER beside them."""
     from pipeline.data.server import Pieces, ServerGone, Settings, generate_shards
@@ -489,6 +498,10 @@ def served_fingerprint(target: Target) -> Optional[str]:
 def server_model(shards_dir: Path) -> Optional[str]:
     path = shards_dir / SERVER
     return json.loads(path.read_text())["model"] if path.is_file() else None
+
+
+BACKENDS = {"local": generate_locally, "server": generate_remotely}
+"""generate.backend -> (cfg, target, shards to do, shards folder, progress, tracker): writes them."""
 
 
 def shard_name(index: int) -> str:
