@@ -6,7 +6,7 @@ NUM_PROCESSES ?= 2
 # Extra Hydra overrides for the pipeline targets, e.g. make demo ARGS="generate.batch_size=32"
 ARGS ?=
 
-.PHONY: setup setup-server demo test test-fast test-compat gpu-check check-speculators bench bench-generate bench-verify bench-train generate-multi distill-multi clean
+.PHONY: setup setup-server setup-compat demo test test-fast test-compat gpu-check check-speculators bench bench-generate bench-verify bench-train generate-multi distill-multi clean
 
 setup: $(VENV)/.installed
 
@@ -23,7 +23,8 @@ $(VENV)/.installed: pyproject.toml
 # llama.cpp's OpenAI-compatible server, which the server backend's tests and `make bench-generate`
 # start on 127.0.0.1 (the embedded target's own GGUF); `make test` builds it, `make demo` needs it
 # not. Built from source (a few minutes), for any x86-64 with AVX2, without the AMX kernels (they
-# crash on some Xeons), and never from pip's cache (a wheel built with other flags would be taken).
+# crash on some Xeons) nor the multimodal library (the server loads it only for image models), and
+# never from pip's cache (a wheel built with other flags would be taken).
 setup-server: $(VENV)/.llama-server
 
 $(VENV)/.llama-server: | $(VENV)/.installed
@@ -34,7 +35,7 @@ $(VENV)/.llama-server: | $(VENV)/.installed
 LLAMA_SERVER := llama-cpp-python[server]==0.3.36
 LLAMA_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=OFF \
 	-DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF -DGGML_OPENMP=OFF -DLLAMA_BUILD_TESTS=OFF \
-	-DLLAMA_BUILD_EXAMPLES=OFF
+	-DLLAMA_BUILD_EXAMPLES=OFF -DLLAVA_BUILD=OFF
 
 demo: setup
 	$(PY) -m pipeline stage=all experiment=demo $(ARGS)
@@ -50,6 +51,8 @@ test-fast: setup
 TRANSFORMERS_FLOOR := $(shell sed -n 's/.*"transformers>=\([0-9.]*\).*/\1/p' pyproject.toml)
 COMPAT_VENV ?= .venv-compat
 DECODER_TESTS := tests/decode/test_decoder.py tests/decode/test_sampling.py tests/heads/test_heads_decode.py
+setup-compat: $(COMPAT_VENV)/.installed
+
 test-compat: $(COMPAT_VENV)/.installed
 	$(COMPAT_VENV)/bin/python -c "import transformers; print('transformers', transformers.__version__)"
 	$(COMPAT_VENV)/bin/python -m pytest -q $(DECODER_TESTS)
