@@ -150,6 +150,22 @@ def test_a_token_that_does_not_round_trip_is_not_learned_and_is_counted():
     assert isinstance(answer, Answer)
 
 
+def test_both_logprobs_forms_are_read():
+    """The completions form (vLLM, SGLang, llama-cpp-python) and the chat form llama.cpp's own
+    server answers /completions with give the same tokens and top-k."""
+    from pipeline.data.server import parse_completion
+
+    completions = {"choices": [{"text": "Hi!", "finish_reason": "stop", "logprobs": {
+        "tokens": ["Hi", "!"], "top_logprobs": [{"Hi": -0.1, "Hello": -2.5}, {"!": -0.3}], "text_offset": [7, 9]}}]}
+    chat = {"choices": [{"text": "Hi!", "finish_reason": "stop", "logprobs": {"content": [
+        {"token": "Hi", "logprob": -0.1, "top_logprobs": [{"token": "Hi", "logprob": -0.1},
+                                                         {"token": "Hello", "logprob": -2.5}]},
+        {"token": "!", "logprob": -0.3, "top_logprobs": [{"token": "!", "logprob": -0.3}]}]}}]}
+    a, b = parse_completion(completions), parse_completion(chat)
+    assert a.tokens == b.tokens == ["Hi", "!"] and a.top == b.top and a.finished and b.finished
+    assert a.offsets == [7, 9] and b.offsets is None
+
+
 def test_round_trips_follow_characters_not_decoded_pieces():
     """A SentencePiece-style tokenizer (▁ for a space, merges): decoded alone, "▁world" loses
     its space, and an emoji is cut into byte tokens. A server that cut the text where we do
