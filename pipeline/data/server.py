@@ -17,13 +17,14 @@ stored in the top-k logits column unchanged (docs/generate.md; tests/data/test_s
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import math
 import os
 import re
 from collections import Counter
 from dataclasses import dataclass
-from typing import Awaitable, Callable, Optional
+from typing import Any, Awaitable, Callable, Optional
 
 import numpy as np
 
@@ -68,11 +69,12 @@ class Client:
     """The endpoints of generate.server: `check` before the run, `complete` per turn; a request
     that fails is tried again on the next URL after a backoff."""
 
-    def __init__(self, server, *, topk: int) -> None:
+    def __init__(self, server, *, topk: int, decode: Callable[[list[int]], str]) -> None:
+        """decode: token ids -> the prompt's text, for a server that takes text."""
         import httpx
 
         self.urls = [u.rstrip("/") for u in server.urls]
-        self.server, self.topk = server, topk
+        self.server, self.topk, self.decode = server, topk, decode
         self.model: Optional[str] = server.model
         self.prompt_ids = server.prompt == "ids"
         headers = {}
@@ -90,7 +92,7 @@ class Client:
     async def close(self) -> None:
         await self.http.aclose()
 
-    async def check(self, probe: list[int], probe_text: str) -> str:
+    async def check(self, probe: list[int]) -> str:
         """Every URL answers /models and serves the model (one line naming the first that does
         not; the model: generate.server.model, or the first the first URL lists), the prompt
         form (generate.server.prompt=auto: token ids where the first URL takes them, else
@@ -104,13 +106,13 @@ class Client:
                 self.model = served[0]
             elif served and self.model not in served:
                 raise PipelineError(f"{url} serves {', '.join(served[:3])}, not generate.server.model={self.model}")
+        tries = self.server.retries + 1
         if self.server.prompt == "auto":
-            status, _ = await self.post(self.urls[0], self.body(probe, 1, 0.0, 1.0, None), retry=True)
+            status, _, _ = await self.send(self.body(probe, 1, 0.0, 1.0, None, as_ids=True), [self.urls[0]] * tries)
             self.prompt_ids = status == 200
             log.info("generate: prompts go to the server as %s", "token ids" if self.prompt_ids else "text")
         for url in self.urls:
-            status, answer = await self.post(url, self.body(probe if self.prompt_ids else probe_text, 1, 0.0, 1.0,
-                                                            None), retry=True)
+            status, answer, _ = await self.send(self.body(probe, 1, 0.0, 1.0, None), [url] * tries)
             if status != 200:
                 if self.topk and "logprob" in str(answer).lower():
                     raise PipelineError(f"generate.save_topk_logits={self.topk} is more top_logprobs than {url} "
@@ -144,53 +146,53 @@ class Client:
             raise PipelineError(f"generate.server.urls: {url}/models answered {first_line(response.text)}: not "
                                 "an OpenAI model list") from None
 
-    async def post(self, url: str, body: dict, retry: bool = False):
-        """(HTTP status, the JSON answer or the text); status 0 when no answer came. With
-        `retry`, a failure that may pass (no answer, 5xx, 429) is tried again on the same URL."""
+    async def send(self, body: dict, urls: list[str]) -> tuple[int, Any, list[str]]:
+        """`body` to urls[0], then, after a backoff of 1, 2, 4 ... × backoff_s, to urls[1], ...
+        while the failure may pass (no answer, HTTP 5xx, 429): (the last HTTP status, 0 for no
+        answer; its JSON, or its text, or the error's name; the failures, one line each)."""
         import httpx
 
-        for attempt in range(self.server.retries + 1 if retry else 1):
+        failures = []
+        for attempt, url in enumerate(urls):
             if attempt:
                 await asyncio.sleep(self.server.backoff_s * 2 ** (attempt - 1))
             try:
                 response = await self.http.post(f"{url}/completions", json=body)
             except httpx.HTTPError as e:
                 status, answer = 0, type(e).__name__
-                continue
-            try:
-                status, answer = response.status_code, response.json()
-            except ValueError:
-                status, answer = response.status_code, response.text
-            if status not in RETRY_STATUS:
+            else:
+                try:
+                    status, answer = response.status_code, response.json()
+                except ValueError:
+                    status, answer = response.status_code, response.text
+            if status and status not in RETRY_STATUS:
                 break
-        return status, answer
+            failures.append(f"{url}: {f'HTTP {status}' if status else answer}")
+        return status, answer, failures
 
-    def body(self, prompt, max_tokens: int, temperature: float, top_p: float, seed: Optional[int]) -> dict:
-        body = dict(model=self.model, prompt=prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                    logprobs=max(self.topk, 1), stream=False)
+    def body(self, prompt: list[int], max_tokens: int, temperature: float, top_p: float, seed: Optional[int],
+             as_ids: Optional[bool] = None) -> dict:
+        """The request: the prompt as ids or as its text (as_ids; None: as the server takes it)."""
+        as_ids = self.prompt_ids if as_ids is None else as_ids
+        body = dict(model=self.model, prompt=prompt if as_ids else self.decode(prompt), max_tokens=max_tokens,
+                    temperature=temperature, top_p=top_p, logprobs=max(self.topk, 1), stream=False)
         if seed is not None:
             body["seed"] = seed
         return body
 
-    async def complete(self, prompt: list[int], prompt_text: str, *, max_tokens: int, temperature: float,
-                       top_p: float, seed: Optional[int]) -> Completion:
-        body = self.body(prompt if self.prompt_ids else prompt_text, max_tokens, temperature, top_p, seed)
-        first, failures = self.requests, []
+    async def complete(self, prompt: list[int], *, max_tokens: int, temperature: float, top_p: float,
+                       seed: Optional[int]) -> Completion:
+        first = self.requests
         self.requests += 1
-        for attempt in range(self.server.retries + 1):
-            if attempt:
-                await asyncio.sleep(self.server.backoff_s * 2 ** (attempt - 1))
-            url = self.urls[(first + attempt) % len(self.urls)]  # each try on the next URL
-            status, answer = await self.post(url, body)
-            if status == 200:
-                try:
-                    return parse_completion(answer)
-                except (ValueError, KeyError, IndexError, TypeError, AttributeError) as e:
-                    failures.append(f"{url}: unreadable answer ({type(e).__name__}: {first_line(e, 80)})")
-            elif status == 0 or status in RETRY_STATUS:
-                failures.append(f"{url}: {f'HTTP {status}' if status else answer}")
-            else:
-                raise RequestFailed(f"{url}: HTTP {status} {first_line(answer)}")
+        urls = [self.urls[(first + attempt) % len(self.urls)] for attempt in range(self.server.retries + 1)]
+        status, answer, failures = await self.send(self.body(prompt, max_tokens, temperature, top_p, seed), urls)
+        if status == 200:
+            try:
+                return parse_completion(answer)
+            except (ValueError, KeyError, IndexError, TypeError, AttributeError) as e:
+                raise RequestFailed(f"unreadable answer ({type(e).__name__}: {first_line(e, 80)})") from None
+        if status and status not in RETRY_STATUS:  # refused (4xx): no try would pass
+            raise RequestFailed(f"HTTP {status} {first_line(answer)}")
         if not await self.any_alive():
             raise ServerGone(f"generate.server: no URL answers any more ({'; '.join(failures[-2:])})")
         raise RequestFailed("; ".join(failures[-3:]))
@@ -226,15 +228,18 @@ def parse_completion(answer: dict) -> Completion:
 
 
 class Pieces:
-    """The target tokenizer's text of each token id, for mapping the server's token strings
-    back to ids (only strings that exactly one id decodes to)."""
+    """The server's token strings mapped back to ids: vLLM's token_id:N, or a text that exactly
+    one id of the target's tokenizer decodes to (the whole vocabulary decoded once, when a
+    text first needs it: top-k alternatives)."""
 
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
-        texts = tokenizer.batch_decode([[i] for i in range(len(tokenizer))])
+
+    @functools.cached_property
+    def id_of(self) -> dict[str, int]:
+        texts = self.tokenizer.batch_decode([[i] for i in range(len(self.tokenizer))])
         counts = Counter(texts)
-        self.text = texts
-        self.id_of = {t: i for i, t in enumerate(texts) if counts[t] == 1 and t}
+        return {t: i for i, t in enumerate(texts) if counts[t] == 1 and t}
 
     def id(self, token: str) -> Optional[int]:
         named = TOKEN_ID.fullmatch(token)
@@ -421,9 +426,8 @@ async def converse(client: Client, conv, s: Settings, counts: Counter,
             break
         context = ids + new
         try:
-            completion = await client.complete(context, tok.decode(context), max_tokens=s.max_new_tokens,
-                                               temperature=s.temperature, top_p=s.top_p,
-                                               seed=turn_seed(s.seed, conv.id, turn))
+            completion = await client.complete(context, max_tokens=s.max_new_tokens, temperature=s.temperature,
+                                               top_p=s.top_p, seed=turn_seed(s.seed, conv.id, turn))
         except RequestFailed as e:
             e.turns_left = num_turns - turn
             raise
@@ -463,7 +467,7 @@ def generate_shards(server, shards: dict[int, list], s: Settings,
     counts = {index: Counter() for index in shards}
 
     async def main() -> str:
-        client = Client(server, topk=s.topk)
+        client = Client(server, topk=s.topk, decode=s.tokenizer.decode)
         model = ""
 
         async def one(item) -> None:
@@ -480,7 +484,7 @@ def generate_shards(server, shards: dict[int, list], s: Settings,
                 write(index, [r for r in rows[index] if r is not None], counts[index], model)
 
         try:
-            model = await client.check(probe, s.tokenizer.decode(probe))
+            model = await client.check(probe)
             if expected_model is not None and model != expected_model:
                 raise PipelineError(f"generate: this run's finished shards came from {expected_model}, the server "
                                     f"now serves {model}; serve that model again, or start another run=<name>")
