@@ -157,11 +157,12 @@ class ServerConfig:
     concurrency: int = 64
     """Conversations in flight at once, over all URLs (each sends its turns in order)."""
     timeout_s: float = 600.0
-    """Longest wait for one answer."""
+    """Longest wait for one answer, from the request's start to the answer's last byte."""
     retries: int = 3
     """A failed request (connection error, timeout, 5xx, 429) is tried again this many times,
     on the next URL, after backoff_s, 2 * backoff_s, ...; a conversation still failing is
-    skipped and counted (skipped_records.server_failed)."""
+    skipped and counted (skipped_records.server_failed; a malformed answer, not retried:
+    malformed_answer); generate.retry_failed=true asks for them again."""
     backoff_s: float = 1.0
     prompt: str = "auto"
     """How prompts go to the server: ids (token ids: vLLM, SGLang, llama.cpp's C++ server take
@@ -180,7 +181,8 @@ class ServerConfig:
         _check_choice("generate.server.prompt", self.prompt, ("auto", "ids", "text"))
         for url in self.urls:
             if not re.fullmatch(r"https?://[^/\s@]+(/\S*)?", url):  # no user:password@ (it would be logged)
-                raise ValueError(f"generate.server.urls: {url!r} is not an http(s) URL like http://host:8000/v1 "
+                shown = re.sub(r"^([a-z]+://)?[^/]*@", r"\1***@", url)  # nor in this message
+                raise ValueError(f"generate.server.urls: {shown!r} is not an http(s) URL like http://host:8000/v1 "
                                  "(a key goes in generate.server.api_key_env)")
 
 
@@ -219,6 +221,10 @@ class GenerateConfig:
     """local: the target decodes in this process (our decoder); server: OpenAI-compatible
     serving engines answer (generate.server), for targets that need one."""
     server: ServerConfig = field(default_factory=ServerConfig)
+    retry_failed: bool = False
+    """Ask the server again for the conversations a finished stage skipped after failed requests
+    or malformed answers (and only them), merging them in; the stage's folder stays as it was
+    until they are."""
 
     def __post_init__(self) -> None:
         _check_finite("generate", self)

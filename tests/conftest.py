@@ -94,17 +94,22 @@ def tiny_llama(seed: int, layers: int = 2, vocab: int = 32):
     return LlamaForCausalLM(config).eval()
 
 
-def make_tiny_target(folder: Path, seed: int = 0, layers: int = 2) -> Path:
+def make_tiny_target(folder: Path, seed: int = 0, layers: int = 2, tokenizer=None, edit=None, **config) -> Path:
+    """A random Llama of `layers` layers, 32 wide, over `tokenizer` (byte_chat_tokenizer()), saved
+    with it in `folder`; `edit(model, tokenizer)` changes its weights first, `config` its config."""
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
-    tokenizer = byte_chat_tokenizer()
+    tokenizer = tokenizer or byte_chat_tokenizer()
     config = LlamaConfig(
         vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=True,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=True, **config,
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)
+    if edit is not None:
+        with torch.no_grad():
+            edit(model, tokenizer)
     model.generation_config = GenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     model.save_pretrained(folder, safe_serialization=True)
     tokenizer.save_pretrained(folder)

@@ -13,13 +13,16 @@ Output (`runs/<run>/generate/`):
                      taken at the position that predicts it
   plan.json      what decides the content (config, data, target); a rerun resumes only under it
   manifest.json  written last; its skipped_records count every conversation left out, by reason
-                 (too_long_for_max_length: the first prompt leaves no room for an answer), and
-                 cut_turns the later turns generate.max_length cut
+                 (too_long_for_max_length: the first prompt leaves no room for an answer; with
+                 the server backend server_failed and malformed_answer, whose ids are in
+                 server.failed_conversations), and cut_turns the later turns generate.max_length cut
 While it runs, `shards/` holds finished shards (each written atomically, with dropped.json,
-the counts of what max_length left out); a killed run started again skips them, so no
-conversation is lost or generated twice. Under `accelerate launch --num_processes N` rank r
-takes shards r, r+N, ... and rank 0 merges. With generate.overwrite=true a finished stage of
-another config stays in place until the new one (built in `.next-generate/`) is complete.
+the counts of what was left out or cut, and failed.json, the conversations a server failed); a
+killed run started again skips them, so no conversation is lost or generated twice. Under
+`accelerate launch --num_processes N` rank r takes shards r, r+N, ... and rank 0 merges. With
+generate.overwrite=true a finished stage of another config stays in place until the new one
+(built in `.next-generate/`) is complete; generate.retry_failed=true asks a server again for a
+finished stage's failed conversations the same way (retry_failed).
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ import json
 import logging
 import time
 from collections import Counter
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -40,6 +45,7 @@ from pipeline.config import Config, fast_path
 from pipeline.data.chat import (
     ANSWER_SENTINEL, encode, eos_token_ids, first_prompt_ids, load_chat_data, next_turn_ids,
 )
+from pipeline.data.server import FAILURES
 from pipeline.data.sources import Conversation, check_file
 from pipeline.decode.decoder import plain_decode
 from pipeline.decode.fast import continuous_decode
@@ -49,7 +55,8 @@ from pipeline.errors import PipelineError
 from pipeline.models import Target, load_target
 from pipeline.files import atomic_dir, atomic_write_json, own_dir, remove, remove_stale_temp_dirs
 from pipeline.runs import (
-    claim_stage, complete_claim, find_claim, hash_tree, stage_dir, write_manifest,
+    PLAN, Claim, aside_dir, claim_stage, complete_claim, find_claim, hash_tree, is_finished, manifest_sha,
+    read_manifest, read_plan, stage_dir, write_manifest,
 )
 from pipeline.tracking import start_tracker
 
@@ -266,7 +273,7 @@ def features(topk: int):
 def plan_key(cfg: Config, fingerprint: str) -> dict:
     """What decides the shards' content: a run folder resumes only under the same plan."""
     gen = dataclasses.asdict(cfg.generate)
-    for free in ("batch_size", "overwrite", "cuda_graphs"):  # safe to change between restarts
+    for free in ("batch_size", "overwrite", "cuda_graphs", "retry_failed"):  # safe to change between restarts
         gen.pop(free)
     if gen["backend"] == "local":  # the default: keeps plans from before the option
         gen.pop("backend")
@@ -294,19 +301,20 @@ def run(cfg: Config) -> Path:
 
     if cfg.data.source == "file":  # fail before the minutes a large target takes to load
         check_file(Path(cfg.data.path).expanduser())
-    remote = cfg.generate.backend == "server"
+    gen = cfg.generate
+    remote = gen.backend == "server"
     target = load_target(**dataclasses.asdict(cfg.target), weights=not remote)
     fingerprint = served_fingerprint(target) if remote else target.fingerprint()
     plan = plan_key(cfg, fingerprint)
     if state.is_main_process:
-        claim = claim_stage(out, STAGE, plan, overwrite=cfg.generate.overwrite,
+        claim = claim_stage(out, STAGE, plan, overwrite=gen.overwrite,
                             started=lambda folder: any((folder / "shards").glob("shard-*")))
         own_dir(claim.folder / "shards", "shards")
         remove_stale_temp_dirs(claim.folder / "shards")  # shards a killed process did not finish
     state.wait_for_everyone()
     if not state.is_main_process:
         claim = find_claim(out, STAGE, plan)
-    if claim.done:
+    if claim.done and not gen.retry_failed:
         log.info("generate stage already complete in %s", out)
         return out
     work, shards_dir = claim.folder, claim.folder / "shards"
@@ -314,103 +322,219 @@ def run(cfg: Config) -> Path:
         log.info("generate: %s stays as it is until this run (in %s) is complete", out, work)
     plan_hash = hashlib.sha256(json.dumps(plan, sort_keys=True).encode()).hexdigest()[:12]
 
-    gen = cfg.generate
     data = load_chat_data(cfg.data, target.tokenizer, max_context=gen.max_length - gen.max_new_tokens)
     convs = data.conversations
-    size = cfg.generate.shard_size
-    shards = [convs[i : i + size] for i in range(0, len(convs), size)]
-    mine = [s for s in range(len(shards)) if s % state.num_processes == state.process_index]
-    finished = {s for s in range(len(shards)) if (shards_dir / shard_name(s)).is_dir()}
-    todo = [s for s in mine if s not in finished]
-    if state.is_main_process:
-        log.info(
-            "%d conversations from %s in %d shards (%d already done), %d processes",
-            len(convs), cfg.data.source, len(shards), len(finished), state.num_processes,
-        )
-
+    shards = in_shards(convs, gen.shard_size)
     tracker = start_tracker(
         cfg.logger.kind, run_name=cfg.run, stage=STAGE, config=dataclasses.asdict(cfg), log_dir=out.parent,
         project=cfg.logger.project, entity=cfg.logger.entity, mode=cfg.logger.mode,
         is_main_process=state.is_main_process,
     )
-    max_turns = cfg.data.max_turns
-    total_turns = sum(planned_turns(c, max_turns, cfg.generate.target_answers) for s in todo for c in shards[s])
-    bar = tqdm(total=total_turns, unit="turn", desc="generate", disable=not state.is_main_process, dynamic_ncols=True)
-    counts = Counter()
-
-    def progress(turns: int, tokens: int) -> None:
-        counts["tokens"] += tokens
-        bar.update(turns)
-        bar.set_postfix(tok_s=f"{counts['tokens'] / max(bar.format_dict['elapsed'], 1e-9):.1f}")
-
-    try:
+    done = Done(cfg, target, fingerprint, plan_hash, dict(data.skipped), tracker)
+    if not claim.done:
+        mine = [s for s in range(len(shards)) if s % state.num_processes == state.process_index]
+        finished = {s for s in range(len(shards)) if (shards_dir / shard_name(s)).is_dir()}
+        todo = {s: shards[s] for s in mine if s not in finished}
+        if state.is_main_process:
+            log.info("%d conversations from %s in %d shards (%d already done), %d processes",
+                     len(convs), cfg.data.source, len(shards), len(finished), state.num_processes)
         if todo:
-            BACKENDS[gen.backend](cfg, target, {s: shards[s] for s in todo}, shards_dir, progress, tracker)
-    finally:
-        bar.close()  # before an error's line
-
-    state.wait_for_everyone()
-    if state.is_main_process:
-        dataset_dir = work / "dataset"
-        num_rows, num_tokens, num_scored, dropped = merge_shards(
-            [shards_dir / shard_name(s) for s in range(len(shards))], dataset_dir)
-        skipped = Counter(data.skipped)
-        for reason in ("too_long_for_max_length", "server_failed"):
-            skipped[reason] += dropped.pop(reason, 0)
-        skipped = {reason: n for reason, n in sorted(skipped.items()) if n}
-        tokens = {name: dropped.pop(name, 0) for name in ROUND_TRIP}
-        if not num_rows:
-            raise PipelineError(f"generate: no conversation fits generate.max_length={gen.max_length} with "
-                                f"max_new_tokens={gen.max_new_tokens} (skipped records: {skipped})")
-        wall = time.perf_counter() - t0
-        summary = {
-            "num_conversations": num_rows,
-            "num_generated_tokens": num_tokens,
-            "num_scored_source_tokens": num_scored,
-            "skipped_records": skipped,
-            "cut_turns": {reason: n for reason, n in dropped.items() if n},
-            "num_processes": state.num_processes,
-            "plan_hash": plan_hash,
-            "backend": gen.backend,
-        }
-        if remote:
-            summary["server"] = dict(model=server_model(shards_dir), urls=list(gen.server.urls),
-                                     answer_tokens=tokens)
-        write_manifest(
-            work, stage=STAGE, config=dataclasses.asdict(cfg), target_fingerprint=fingerprint,
-            outputs={f"dataset/{k}": v for k, v in hash_tree(dataset_dir).items()},
-            wall_time_s=wall, target_name=target.name, **summary,
-        )
-        remove(shards_dir)
-        complete_claim(claim)
-        dataset_dir = out / "dataset"
-        tracker.log({"generate/" + k: v for k, v in summary.items() if isinstance(v, (int, float))})
-        skipped_text = ", ".join(f"{n} {r}" for r, n in skipped.items()) or "none"
-        cut = sum(summary["cut_turns"].values())
-        log.info("generated %d tokens (and scored %d of the source's) for %d conversations in %.1fs "
-                 "(skipped records: %s%s)", num_tokens, num_scored, num_rows, wall, skipped_text,
-                 f"; {cut} later turns cut by generate.max_length" if cut else "")
-        print(example(dataset_dir, target.tokenizer))
-        scored = f" + {num_scored} scored source tokens" if num_scored else ""
-        if remote:
-            failed = skipped.get("server_failed", 0)
-            scored = (f" from {summary['server']['model']} ({tokens['round_tripped']} answer tokens round-trip "
-                      f"through the tokenizer, {tokens['not_round_tripped']} do not and are not learned"
-                      + (f", {tokens['end_of_turn_without_logprobs']} ends of turn without logprobs" if
-                         tokens['end_of_turn_without_logprobs'] else "")
-                      + (f"; {failed} conversations skipped after failed requests" if failed else "") + ")")
-        print(f"generate: {num_rows} conversations, {num_tokens} generated tokens{scored} -> {dataset_dir}")
+            with progress_bar(todo, cfg, "generate", disable=not state.is_main_process) as progress:
+                BACKENDS[gen.backend](cfg, target, todo, shards_dir, progress, tracker)
+        state.wait_for_everyone()
+        if state.is_main_process:
+            merged = merge_shards([shards_dir / shard_name(s) for s in range(len(shards))], work / "dataset",
+                                  gen.save_topk_logits)
+            done.complete(claim, merged, time.perf_counter() - t0)
+    if gen.retry_failed and state.is_main_process:  # the others wait: failures are few
+        retry_failed(done, out, convs)
     tracker.finish()
     state.wait_for_everyone()
     return out
 
 
+def in_shards(convs: list[Conversation], size: int) -> list[list[Conversation]]:
+    return [convs[i : i + size] for i in range(0, len(convs), size)]
+
+
+@contextmanager
+def progress_bar(shards: dict[int, list[Conversation]], cfg: Config, desc: str, disable: bool):
+    """A bar over the planned turns of `shards`' conversations; yields progress(turns, tokens)."""
+    total = sum(planned_turns(c, cfg.data.max_turns, cfg.generate.target_answers) for convs in shards.values()
+                for c in convs)
+    bar = tqdm(total=total, unit="turn", desc=desc, disable=disable, dynamic_ncols=True)
+    tokens = Counter()
+
+    def progress(turns: int, new_tokens: int) -> None:
+        tokens["n"] += new_tokens
+        bar.update(turns)
+        bar.set_postfix(tok_s=f"{tokens['n'] / max(bar.format_dict['elapsed'], 1e-9):.1f}")
+
+    try:
+        yield progress
+    finally:
+        bar.close()  # before an error's line
+
+
+@dataclass
+class Done:
+    """What the manifest of a finished stage is written from (complete)."""
+
+    cfg: Config
+    target: Target
+    fingerprint: Optional[str]
+    plan_hash: str
+    data_skipped: dict[str, int]
+    """The data's records skipped before generation (load_chat_data), by reason."""
+    tracker: object
+
+    def complete(self, claim: Claim, merged: Merged, wall_s: float) -> None:
+        """Write the manifest of `merged` (in claim.folder, beside its dataset) and put the stage
+        in place; say what it holds."""
+        gen, work = self.cfg.generate, claim.folder
+        summary = summarize(merged, self.data_skipped, gen.backend)
+        failed = sum(summary["skipped_records"].get(reason, 0) for reason in FAILURES)
+        if not merged.rows and not failed:
+            raise PipelineError(f"generate: no conversation fits generate.max_length={gen.max_length} with "
+                                f"max_new_tokens={gen.max_new_tokens} (skipped records: {summary['skipped_records']})")
+        summary["plan_hash"] = self.plan_hash
+        if gen.backend == "server":
+            summary["server"] = dict(model=server_model(work / "shards"), urls=list(gen.server.urls),
+                                     **summary.pop("server_counts"), failed_conversations=merged.failed)
+        summary.pop("server_counts", None)
+        write_manifest(
+            work, stage=STAGE, config=dataclasses.asdict(self.cfg), target_fingerprint=self.fingerprint,
+            outputs={f"dataset/{k}": v for k, v in hash_tree(work / "dataset").items()},
+            wall_time_s=wall_s, target_name=self.target.name,
+            counts={k: n for k, n in sorted(merged.counts.items()) if n}, **summary,
+        )
+        remove(work / "shards")
+        complete_claim(claim)
+        dataset_dir = claim.out / "dataset"
+        self.tracker.log({"generate/" + k: v for k, v in summary.items() if isinstance(v, (int, float))})
+        skipped_text = ", ".join(f"{n} {r}" for r, n in summary["skipped_records"].items()) or "none"
+        cut = sum(summary["cut_turns"].values())
+        log.info("generated %d tokens (and scored %d of the source's) for %d conversations in %.1fs "
+                 "(skipped records: %s%s)", merged.generated_tokens, merged.scored_tokens, merged.rows, wall_s,
+                 skipped_text, f"; {cut} later turns cut by generate.max_length" if cut else "")
+        print(example(dataset_dir, self.target.tokenizer))
+        print(f"generate: {merged.rows} conversations, {merged.generated_tokens} generated tokens"
+              f"{origin(summary, merged.scored_tokens)} -> {dataset_dir}")
+        if failed:
+            log.warning("generate: %d conversations were skipped after failed requests or malformed answers "
+                        "(manifest: server.failed_conversations); once the server answers, run the same command "
+                        "with generate.retry_failed=true to ask for them again", failed)
+
+
+def summarize(merged: Merged, data_skipped: dict[str, int], backend: str) -> dict:
+    """The manifest's counts from what the shards counted (merged.counts)."""
+    counts = Counter(merged.counts)
+    skipped = Counter(data_skipped)
+    for reason in ("too_long_for_max_length", *FAILURES):
+        skipped[reason] += counts.pop(reason, 0)
+    server_counts = dict(answer_tokens={name: counts.pop(name, 0) for name in ROUND_TRIP},
+                         answer_too_long=counts.pop("answer_too_long", 0))
+    return {
+        "num_conversations": merged.rows,
+        "num_generated_tokens": merged.generated_tokens,
+        "num_scored_source_tokens": merged.scored_tokens,
+        "skipped_records": {reason: n for reason, n in sorted(skipped.items()) if n},
+        "cut_turns": {reason: n for reason, n in counts.items() if n},
+        "num_processes": process_state().num_processes,
+        "backend": backend,
+        "server_counts": server_counts,
+    }
+
+
+def origin(summary: dict, scored: int) -> str:
+    """Where the tokens of the stage's last line came from, and what of them was left out."""
+    if "server" not in summary:
+        return f" + {scored} scored source tokens" if scored else ""
+    server, skipped = summary["server"], summary["skipped_records"]
+    tokens = server["answer_tokens"]
+    notes = [f"{tokens['round_tripped']} answer tokens round-trip through the tokenizer, "
+             f"{tokens['not_round_tripped']} do not and are not learned"]
+    for name, what in (("end_of_turn_without_logprobs", "ends of turn without logprobs"),
+                       ("without_topk", "learned tokens left out for a top-k of no known token")):
+        if tokens.get(name):
+            notes.append(f"{tokens[name]} {what}")
+    if server["answer_too_long"]:
+        notes.append(f"{server['answer_too_long']} answers longer than max_new_tokens cut")
+    failed = [f"{skipped[reason]} {reason}" for reason in FAILURES if skipped.get(reason)]
+    if failed:
+        notes.append(f"conversations skipped: {', '.join(failed)}")
+    return f" from {server['model']} ({'; '.join(notes)})"
+
+
+RETRY = "retry.json"
+"""In the folder a retry_failed run works in: the sha256 of the finished manifest it retries."""
+
+
+def retry_failed(done: Done, out: Path, convs: list[Conversation]) -> None:
+    """generate.retry_failed=true: ask the server again for the conversations the finished stage
+    in `out` skipped after failed requests or malformed answers, and only them, then merge them
+    in at their places. The work goes on beside `out` (resumed there after a kill, like any run)
+    and replaces it only once merged, so `out` stays valid meanwhile."""
+    t0 = time.perf_counter()
+    cfg = done.cfg
+    manifest = read_manifest(out, STAGE)
+    failed = (manifest.get("server") or {}).get("failed_conversations") or {}
+    if not failed:
+        log.info("generate: %s has no failed conversation to ask for again", out)
+        return
+    work, base = aside_dir(out), {"manifest_sha256": manifest_sha(out)}
+    if work.exists() and read_json(work / RETRY) != base:
+        remove(work)  # another run's folder, or a retry of an earlier result
+    own_dir(work, STAGE)
+    claim = Claim(out, work)
+    if is_finished(work, STAGE):  # killed between finishing and swapping it in
+        complete_claim(claim)
+        return
+    atomic_write_json(work / PLAN, read_plan(out))
+    atomic_write_json(work / RETRY, base)
+    shards_dir = own_dir(work / "shards", "shards")
+    remove_stale_temp_dirs(shards_dir)
+    if not (shards_dir / SERVER).is_file():  # the model the stage's answers came from
+        atomic_write_json(shards_dir / SERVER, dict(model=manifest["server"]["model"]))
+    shards = in_shards([c for c in convs if c.id in failed], cfg.generate.shard_size)
+    todo = {s: shard for s, shard in enumerate(shards) if not (shards_dir / shard_name(s)).is_dir()}
+    log.info("generate: asking %s again for the %d conversations it failed (%s)", manifest["server"]["model"],
+             len(failed), ", ".join(f"{n} {r}" for r, n in sorted(Counter(failed.values()).items())))
+    if todo:
+        with progress_bar(todo, cfg, "generate (retry)", disable=False) as progress:
+            generate_remotely(cfg, done.target, todo, shards_dir, progress, done.tracker)
+    merged = merge_shards([shards_dir / shard_name(s) for s in range(len(shards))], work / "dataset",
+                          cfg.generate.save_topk_logits, base=out / "dataset", order=[c.id for c in convs])
+    counts = Counter(manifest.get("counts") or {})
+    counts.subtract(Counter(failed.values()))  # each asked again: counted anew by its shard
+    counts.update(merged.counts)
+    merged.counts = +counts
+    done.complete(claim, merged, manifest["wall_time_s"] + time.perf_counter() - t0)
+
+
+def read_json(path: Path):
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
 def example(dataset_dir: Path, tokenizer, width: int = 300) -> str:
-    """The target's regenerated first answer in the first conversation, shortened."""
+    """The first learned answer of the first regenerated conversation that has one (else of
+    any conversation), shortened."""
     import datasets
 
-    rows = datasets.load_from_disk(str(dataset_dir))
-    row = next((r for r in rows if r["answers"] == "target"), rows[0])
+    row = None
+    for candidate in datasets.load_from_disk(str(dataset_dir)).select_columns(["id", "source", "answers",
+                                                                              "input_ids", "loss_mask"]):
+        if 1 not in candidate["loss_mask"]:
+            continue
+        if row is None or candidate["answers"] == "target":
+            row = candidate
+        if candidate["answers"] == "target":
+            break
+    if row is None:
+        return "no conversation has a learned answer token"
     mask = row["loss_mask"]
     start = mask.index(1)
     end = next((i for i in range(start, len(mask)) if not mask[i]), len(mask))
@@ -452,7 +576,7 @@ def generate_locally(cfg: Config, target: Target, shards: dict[int, list[Convers
                      "generate/tokens_per_s": made["tokens"] / (time.perf_counter() - shard_t0)})
 
 
-ROUND_TRIP = ("round_tripped", "not_round_tripped", "end_of_turn_without_logprobs")
+ROUND_TRIP = ("round_tripped", "not_round_tripped", "end_of_turn_without_logprobs", "without_topk")
 SERVER = "server.json"
 
 
@@ -471,10 +595,10 @@ def generate_remotely(cfg: Config, target: Target, shards: dict[int, list[Conver
     probe = first_prompt_ids(tok, Conversation(id="probe", source="", user_turns=["Hello"]))
     done = []
 
-    def write(index: int, rows: list[dict], counts: Counter, model: str) -> None:
+    def write(index: int, rows: list[dict], counts: Counter, failed: dict[str, str], model: str) -> None:
         if not done:
             atomic_write_json(shards_dir / SERVER, dict(model=model))
-        write_shard(shards_dir / shard_name(index), rows, gen.save_topk_logits, counts)
+        write_shard(shards_dir / shard_name(index), rows, gen.save_topk_logits, counts, failed)
         done.append(index)
 
     try:
@@ -509,39 +633,72 @@ def shard_name(index: int) -> str:
 
 
 DROPPED = "dropped.json"
+FAILED = "failed.json"
 
 
-def write_shard(path: Path, rows: list[dict], topk: int, dropped: Counter) -> None:
-    """One shard, whole or not at all: its rows and what max_length left out of them (DROPPED)."""
+def write_shard(path: Path, rows: list[dict], topk: int, dropped: Counter,
+                failed: Optional[dict[str, str]] = None) -> None:
+    """One shard, whole or not at all: its rows, what was left out or cut of them (DROPPED) and
+    the conversations a server failed, {id: reason} (FAILED). A shard of no rows is a dataset of
+    one empty file (load_from_disk reads no other empty dataset)."""
     import datasets
 
     with atomic_dir(path, "shard") as tmp:
         columns = features(topk)
         table = datasets.Dataset.from_list(rows, features=columns) if rows else \
             datasets.Dataset.from_dict({name: [] for name in columns}, features=columns)
-        table.save_to_disk(str(tmp))
+        table.save_to_disk(str(tmp), num_shards=1)
         atomic_write_json(tmp / DROPPED, dict(dropped))
+        if failed:
+            atomic_write_json(tmp / FAILED, failed)
 
 
-def merge_shards(shard_paths: list[Path], dataset_dir: Path) -> tuple[int, int, int, Counter]:
-    """Concatenate the shards in index order into one dataset; (rows, generated tokens, scored
-    source tokens, what max_length dropped)."""
+@dataclass
+class Merged:
+    """The dataset merge_shards wrote, and what its shards counted."""
+
+    rows: int
+    generated_tokens: int
+    scored_tokens: int
+    counts: Counter
+    """Summed over the shards: what was left out (by reason), cut, and round trips."""
+    failed: dict[str, str]
+    """The conversations a server failed, {id: reason}."""
+
+
+def merge_shards(shard_paths: list[Path], dataset_dir: Path, topk: int, base: Optional[Path] = None,
+                 order: Optional[list[str]] = None) -> Merged:
+    """Concatenate the shards in index order into one dataset (after the dataset `base`, and in
+    the order of the ids `order`, where given)."""
     import datasets
 
     missing = [p.name for p in shard_paths if not p.is_dir()]
     if missing:
         raise PipelineError(f"shards missing after all processes finished: {', '.join(missing)}")
-    dropped = Counter()
+    counts, failed = Counter(), {}
     for p in shard_paths:
-        if (p / DROPPED).is_file():
-            dropped.update(json.loads((p / DROPPED).read_text()))
-    parts = [part for part in (datasets.load_from_disk(str(p)) for p in shard_paths) if len(part)]
-    if not parts:
-        return 0, 0, 0, dropped
-    merged = datasets.concatenate_datasets(parts)
+        counts.update(read_json(p / DROPPED) or {})
+        failed.update(read_json(p / FAILED) or {})
+    parts = [datasets.load_from_disk(str(base))] if base is not None else []
+    parts += [datasets.load_from_disk(str(p)) for p in shard_paths if has_rows(p)]
+    parts = [part for part in parts if len(part)]
+    if parts:
+        merged = datasets.concatenate_datasets(parts)
+    else:
+        columns = features(topk)
+        merged = datasets.Dataset.from_dict({name: [] for name in columns}, features=columns)
+    if order is not None:
+        place = {conv_id: i for i, conv_id in enumerate(order)}
+        ids = merged["id"]
+        merged = merged.select(sorted(range(len(merged)), key=lambda r: place[ids[r]]))
     with atomic_dir(dataset_dir, "dataset") as tmp:
-        merged.save_to_disk(str(tmp))
-    table = merged.data
-    masks = table.column("loss_mask").to_pylist()
-    scored = sum(sum(m) for m, a in zip(masks, table.column("answers").to_pylist()) if a == "source")
-    return len(merged), sum(sum(m) for m in masks) - scored, scored, dropped
+        merged.save_to_disk(str(tmp), num_shards=1 if not len(merged) else None)
+    masks = merged["loss_mask"]
+    scored = sum(sum(m) for m, a in zip(masks, merged["answers"]) if a == "source")
+    return Merged(len(merged), sum(sum(m) for m in masks) - scored, scored, counts, failed)
+
+
+def has_rows(shard: Path) -> bool:
+    """Whether a shard's dataset has a data file: the code before write_shard's num_shards=1 saved
+    a shard of no rows with none, which load_from_disk cannot read (a run it wedged completes)."""
+    return bool((read_json(shard / "state.json") or {}).get("_data_files"))

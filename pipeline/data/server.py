@@ -12,6 +12,12 @@ there are the stored ids what the target produced and the server's top-k its dis
 Top-k comes from `top_logprobs`: log-probabilities are the logits minus one constant per
 position (log Σ exp logits), which the KD losses' softmax over the top-k removes, so they are
 stored in the top-k logits column unchanged (docs/generate.md; tests/data/test_server.py).
+
+Nothing a server answers can abort, wedge or corrupt a run (tests/data/test_server_faults.py):
+every answer is checked where it is read (parse_completion, answer_from) and one that is not
+a well-formed completion of known tokens is its conversation's failure (MalformedAnswer), as a
+request that keeps failing is (RequestFailed); an answer longer than asked is cut and counted;
+timeout_s bounds a whole request; the key and any echo of it are redacted from every message.
 """
 
 from __future__ import annotations
@@ -34,6 +40,11 @@ log = logging.getLogger(__name__)
 TOKEN_ID = re.compile(r"token_id:(\d+)")
 """vLLM's --return-tokens-as-token-ids form of a token."""
 RETRY_STATUS = {408, 429, 500, 502, 503, 504}
+HEADER_SAFE = re.compile(r"[\x21-\x7e]+")
+"""What a bearer token can hold: visible ASCII (a header cannot carry line breaks or other bytes)."""
+LOGPROB_SLACK = 1e-3
+"""A log-probability above 0 by this much is rounding (fp32 log-softmax of a sure token); above, an error."""
+FP16_LOWEST = float(np.finfo(np.float16).min)
 
 
 class ServerGone(PipelineError):
@@ -41,10 +52,27 @@ class ServerGone(PipelineError):
 
 
 class RequestFailed(Exception):
-    """One request failed after its retries; the conversation is skipped and counted."""
+    """A conversation's request failed, after its retries where one can help: the conversation
+    is skipped and counted under `reason`."""
 
-    turns_left = 0
-    """Set by converse: the conversation's planned turns not done."""
+    reason = "server_failed"
+
+    def __init__(self, message: str, tries: int = 1) -> None:
+        super().__init__(message)
+        self.tries = tries
+        self.turns_left = 0
+        """Set by converse: the conversation's planned turns not done."""
+
+
+class MalformedAnswer(RequestFailed):
+    """An answer (HTTP 200) that is not a well-formed completion, or names a token beyond the
+    vocabulary or a log-probability above 0. Not retried: the server would answer the same."""
+
+    reason = "malformed_answer"
+
+
+FAILURES = (RequestFailed.reason, MalformedAnswer.reason)
+"""The reasons a conversation is skipped for by the server backend (skipped_records)."""
 
 
 @dataclass
@@ -60,9 +88,40 @@ class Completion:
     """Per generated token, where it starts (text_offset, from the prompt's start), if given."""
 
 
-def first_line(text: str, width: int = 200) -> str:
-    line = " ".join(str(text).split())
+def first_line(text: str, width: int = 200, secrets: tuple[str, ...] = ()) -> str:
+    """`text` on one line, at most `width` characters, each of `secrets` shown as ***."""
+    line = str(text)
+    for secret in secrets:
+        line = line.replace(secret, "***")
+    line = " ".join(line.split())
     return line[:width] + ("..." if len(line) > width else "")
+
+
+def api_key(env: str) -> str:
+    """The key in the environment variable `env`, checked to fit in an HTTP header (one line
+    naming the variable, never the key, when it does not)."""
+    key = os.environ.get(env, "").strip()
+    if not key:
+        raise PipelineError(f"generate.server.api_key_env={env} but that environment variable is not set")
+    if not HEADER_SAFE.fullmatch(key):
+        what = ("a line break" if any(c in key for c in "\r\n") else
+                "a non-ASCII character" if not key.isascii() else "a space or control character")
+        raise PipelineError(f"generate.server.api_key_env={env} holds a key that cannot be sent in an HTTP header "
+                            f"(it contains {what}); check that variable")
+    return key
+
+
+@dataclass
+class Sent:
+    """What became of a request after its tries (Client.send)."""
+
+    status: int
+    """The last HTTP status; 0 for no answer (connection error, timeout)."""
+    answer: Any
+    """Its JSON, or its text, or the error's name."""
+    failures: list[str]
+    """The failures that were tried again, one line each."""
+    tries: int
 
 
 class Client:
@@ -77,13 +136,11 @@ class Client:
         self.server, self.topk, self.decode = server, topk, decode
         self.model: Optional[str] = server.model
         self.prompt_ids = server.prompt == "ids"
-        headers = {}
+        headers, self.secrets = {}, ()
         if server.api_key_env:
-            key = os.environ.get(server.api_key_env)
-            if not key:
-                raise PipelineError(f"generate.server.api_key_env={server.api_key_env} but that environment "
-                                    "variable is not set")
+            key = api_key(server.api_key_env)
             headers["Authorization"] = f"Bearer {key}"
+            self.secrets = (key,)
         limits = httpx.Limits(max_connections=server.concurrency, max_keepalive_connections=server.concurrency)
         self.http = httpx.AsyncClient(headers=headers, timeout=httpx.Timeout(server.timeout_s, connect=10.0),
                                       limits=limits)
@@ -92,38 +149,45 @@ class Client:
     async def close(self) -> None:
         await self.http.aclose()
 
-    async def check(self, probe: list[int]) -> str:
+    def line(self, text: Any, width: int = 200) -> str:
+        """`text` (an answer, an error) for a message: one line, the key redacted."""
+        return first_line(text, width, self.secrets)
+
+    async def check(self, probe: list[int], expected: Optional[str] = None) -> str:
         """Every URL answers /models and serves the model (one line naming the first that does
-        not; the model: generate.server.model, or the first the first URL lists), the prompt
-        form (generate.server.prompt=auto: token ids where the first URL takes them, else
-        text), and a one-token request with the top-k asked for answers with log-probabilities
-        on every URL (a k the server refuses is one line naming both)."""
+        not; the model: generate.server.model, else `expected` (the run's finished shards'
+        model) wherever the first URL lists it, else the first it lists), the prompt form
+        (generate.server.prompt=auto: text only where the first URL refuses token ids by name),
+        and a one-token request with the top-k asked for answers with
+        log-probabilities on every URL (a k the server refuses is one line naming both)."""
         for url in self.urls:
             served = await self.models(url)
             if self.model is None:
                 if not served:
                     raise PipelineError(f"{url}/models lists no model; set generate.server.model=<id>")
-                self.model = served[0]
+                self.model = expected if expected in served else served[0]
             elif served and self.model not in served:
                 raise PipelineError(f"{url} serves {', '.join(served[:3])}, not generate.server.model={self.model}")
         tries = self.server.retries + 1
         if self.server.prompt == "auto":
-            status, _, _ = await self.send(self.body(probe, 1, 0.0, 1.0, None, as_ids=True), [self.urls[0]] * tries)
-            self.prompt_ids = status == 200
+            sent = await self.send(self.body(probe, 1, 0.0, 1.0, None, as_ids=True), [self.urls[0]] * tries,
+                                   final=refuses_ids)
+            self.prompt_ids = not refuses_ids(sent.status, sent.answer)
             log.info("generate: prompts go to the server as %s", "token ids" if self.prompt_ids else "text")
         for url in self.urls:
-            status, answer, _ = await self.send(self.body(probe, 1, 0.0, 1.0, None), [url] * tries)
+            sent = await self.send(self.body(probe, 1, 0.0, 1.0, None), [url] * tries)
+            status, answer = sent.status, sent.answer
             if status != 200:
                 if self.topk and "logprob" in str(answer).lower():
                     raise PipelineError(f"generate.save_topk_logits={self.topk} is more top_logprobs than {url} "
-                                        f"allows (HTTP {status}: {first_line(answer)}); lower it, or raise the "
+                                        f"allows (HTTP {status}: {self.line(answer)}); lower it, or raise the "
                                         "server's limit (vLLM: --max-logprobs)")
-                raise PipelineError(f"{url}/completions refused a one-token request for {self.model!r}: HTTP "
-                                    f"{status} {first_line(answer)}")
+                raise PipelineError(f"{url}/completions refused a one-token request for {self.model!r}: "
+                                    f"{'HTTP ' + str(status) if status else 'no answer'} {self.line(answer)}")
             try:
                 choice = answer["choices"][0]
             except (TypeError, KeyError, IndexError):
-                raise PipelineError(f"{url}/completions answered {first_line(answer)}: not a completion") from None
+                raise PipelineError(f"{url}/completions answered {self.line(answer)}: not a completion") from None
             if not isinstance(choice, dict) or choice.get("logprobs") is None:
                 raise PipelineError(f"{url}/completions answered without logprobs, which generate needs to check "
                                     "the answer's tokens; use an engine that returns them (vLLM, SGLang, llama.cpp)")
@@ -133,42 +197,43 @@ class Client:
         import httpx
 
         try:
-            response = await self.http.get(f"{url}/models", timeout=10.0)
-        except httpx.HTTPError as e:
+            response = await asyncio.wait_for(self.http.get(f"{url}/models"), MODELS_TIMEOUT_S)
+        except (httpx.HTTPError, asyncio.TimeoutError) as e:
             raise PipelineError(f"generate.server.urls: cannot reach {url}/models ({type(e).__name__}: "
-                                f"{first_line(e) or 'no answer'}); start the server or fix the URL") from None
+                                f"{self.line(e) or 'no answer'}); start the server or fix the URL") from None
         if response.status_code != 200:
             raise PipelineError(f"generate.server.urls: {url}/models answered HTTP {response.status_code}: "
-                                f"{first_line(response.text)}")
+                                f"{self.line(response.text)}")
         try:
             return [m["id"] for m in response.json().get("data", [])]
         except (ValueError, AttributeError, KeyError, TypeError):
-            raise PipelineError(f"generate.server.urls: {url}/models answered {first_line(response.text)}: not "
+            raise PipelineError(f"generate.server.urls: {url}/models answered {self.line(response.text)}: not "
                                 "an OpenAI model list") from None
 
-    async def send(self, body: dict, urls: list[str]) -> tuple[int, Any, list[str]]:
+    async def send(self, body: dict, urls: list[str], final: Optional[Callable[[int, Any], bool]] = None) -> Sent:
         """`body` to urls[0], then, after a backoff of 1, 2, 4 ... × backoff_s, to urls[1], ...
-        while the failure may pass (no answer, HTTP 5xx, 429): (the last HTTP status, 0 for no
-        answer; its JSON, or its text, or the error's name; the failures, one line each)."""
+        while the failure may pass (no answer within timeout_s, HTTP 5xx, 429) and `final`
+        (status, answer) does not say it will not."""
         import httpx
 
         failures = []
         for attempt, url in enumerate(urls):
             if attempt:
                 await asyncio.sleep(self.server.backoff_s * 2 ** (attempt - 1))
-            try:
-                response = await self.http.post(f"{url}/completions", json=body)
-            except httpx.HTTPError as e:
+            try:  # timeout_s bounds the whole answer: httpx's own timeouts bound each read only
+                response = await asyncio.wait_for(self.http.post(f"{url}/completions", json=body),
+                                                  self.server.timeout_s)
+            except (httpx.HTTPError, asyncio.TimeoutError) as e:
                 status, answer = 0, type(e).__name__
             else:
                 try:
                     status, answer = response.status_code, response.json()
                 except ValueError:
                     status, answer = response.status_code, response.text
-            if status and status not in RETRY_STATUS:
+            if status and (status not in RETRY_STATUS or (final is not None and final(status, answer))):
                 break
             failures.append(f"{url}: {f'HTTP {status}' if status else answer}")
-        return status, answer, failures
+        return Sent(status, answer, failures, attempt + 1)
 
     def body(self, prompt: list[int], max_tokens: int, temperature: float, top_p: float, seed: Optional[int],
              as_ids: Optional[bool] = None) -> dict:
@@ -185,46 +250,83 @@ class Client:
         first = self.requests
         self.requests += 1
         urls = [self.urls[(first + attempt) % len(self.urls)] for attempt in range(self.server.retries + 1)]
-        status, answer, failures = await self.send(self.body(prompt, max_tokens, temperature, top_p, seed), urls)
-        if status == 200:
+        sent = await self.send(self.body(prompt, max_tokens, temperature, top_p, seed), urls)
+        if sent.status == 200:
             try:
-                return parse_completion(answer)
-            except (ValueError, KeyError, IndexError, TypeError, AttributeError) as e:
-                raise RequestFailed(f"unreadable answer ({type(e).__name__}: {first_line(e, 80)})") from None
-        if status and status not in RETRY_STATUS:  # refused (4xx): no try would pass
-            raise RequestFailed(f"HTTP {status} {first_line(answer)}")
+                return parse_completion(sent.answer)
+            except MalformedAnswer as e:
+                raise MalformedAnswer(self.line(e), sent.tries) from None
+        if sent.status and sent.status not in RETRY_STATUS:  # refused (4xx): no try would pass
+            raise RequestFailed(f"HTTP {sent.status} {self.line(sent.answer)}", sent.tries)
         if not await self.any_alive():
-            raise ServerGone(f"generate.server: no URL answers any more ({'; '.join(failures[-2:])})")
-        raise RequestFailed("; ".join(failures[-3:]))
+            raise ServerGone(f"generate.server: no URL answers any more ({self.line('; '.join(sent.failures[-2:]))})")
+        raise RequestFailed(self.line("; ".join(sent.failures[-3:]), 400), sent.tries)
 
     async def any_alive(self) -> bool:
         import httpx
 
         for url in self.urls:
             try:
-                if (await self.http.get(f"{url}/models", timeout=10.0)).status_code == 200:
+                if (await asyncio.wait_for(self.http.get(f"{url}/models"), MODELS_TIMEOUT_S)).status_code == 200:
                     return True
-            except httpx.HTTPError:
+            except (httpx.HTTPError, asyncio.TimeoutError):
                 pass
         return False
 
 
-def parse_completion(answer: dict) -> Completion:
+MODELS_TIMEOUT_S = 10.0
+"""The longest wait for /models (the start's checks, and whether any URL is alive)."""
+
+
+def refuses_ids(status: int, answer: Any) -> bool:
+    """Whether a server's answer to a prompt of token ids refuses them: an HTTP error that names
+    the prompt (llama-cpp-python answers 500 with its validation errors: body.prompt must be a
+    string). An error that names nothing (a server starting, busy or gone) is tried again like
+    any, and says nothing of the prompt form."""
+    return status >= 400 and "prompt" in str(answer).lower()
+
+
+def parse_completion(answer: Any) -> Completion:
     """A /completions answer, its logprobs in the completions form (tokens, top_logprobs,
-    text_offset: vLLM, SGLang, llama-cpp-python) or the chat form (content: llama.cpp's server)."""
-    choice = answer["choices"][0]
-    logprobs = choice.get("logprobs") or {}
-    if "content" in logprobs:
-        entries = logprobs["content"] or []
-        tokens = [e["token"] for e in entries]
-        top = [{t["token"]: t["logprob"] for t in e.get("top_logprobs") or []} for e in entries]
-        offsets = None
-    else:
-        tokens = list(logprobs.get("tokens") or [])
-        top = [dict(t or {}) for t in (logprobs.get("top_logprobs") or [])]
-        offsets = logprobs.get("text_offset")
-    return Completion(text=choice["text"], finished=choice.get("finish_reason") == "stop", tokens=tokens, top=top,
-                      offsets=offsets)
+    text_offset: vLLM, SGLang, llama-cpp-python) or the chat form (content: llama.cpp's server),
+    checked: MalformedAnswer where a part is missing or of the wrong type, or a log-probability
+    is not a number <= 0 (-inf, no probability, is one). Logprobs may be absent only from an
+    empty answer."""
+    try:
+        choice = answer["choices"][0]
+        text, logprobs = choice["text"], choice.get("logprobs")
+        if not isinstance(text, str):
+            raise MalformedAnswer(f"its text is {type(text).__name__}, not a string")
+        if logprobs is None and text:
+            raise MalformedAnswer("it has no logprobs")
+        logprobs = logprobs or {}
+        if "content" in logprobs:
+            entries = logprobs["content"] or []
+            tokens = [e["token"] for e in entries]
+            top = [{t["token"]: log_probability(t["logprob"]) for t in e.get("top_logprobs") or []} for e in entries]
+            offsets = None
+        else:
+            tokens = list(logprobs.get("tokens") or [])
+            top = [{t: log_probability(v) for t, v in (row or {}).items()} for row in logprobs.get("top_logprobs") or []]
+            offsets = logprobs.get("text_offset")
+        finished = choice.get("finish_reason") == "stop"
+    except (TypeError, KeyError, IndexError, AttributeError) as e:
+        raise MalformedAnswer(f"not a completion ({type(e).__name__}: {e})") from None
+    if not all(isinstance(t, str) for t in tokens) or not all(isinstance(t, str) for row in top for t in row):
+        raise MalformedAnswer("a token is not a string")
+    if offsets is not None and not (isinstance(offsets, list) and all(type(o) is int for o in offsets)):
+        raise MalformedAnswer("its text_offset is not a list of integers")
+    return Completion(text=text, finished=finished, tokens=tokens, top=top, offsets=offsets)
+
+
+def log_probability(value: Any) -> float:
+    """A log-probability from an answer: a number <= 0 (rounding's few 1e-4 above are 0), -inf
+    for none; anything else is a MalformedAnswer."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise MalformedAnswer(f"a log-probability is {value!r}, not a number")
+    if math.isnan(value) or value > LOGPROB_SLACK:
+        raise MalformedAnswer(f"a log-probability is {value!r}, not <= 0")
+    return min(float(value), 0.0)
 
 
 class Pieces:
@@ -234,6 +336,8 @@ class Pieces:
 
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
+        self.vocab_size = len(tokenizer)
+        """Ids the tokenizer decodes: an answer's ids must be, for the next turn's prompt to be its text."""
 
     @functools.cached_property
     def id_of(self) -> dict[str, int]:
@@ -241,9 +345,21 @@ class Pieces:
         counts = Counter(texts)
         return {t: i for i, t in enumerate(texts) if counts[t] == 1 and t}
 
+    @functools.cached_property
+    def longest(self) -> int:
+        """The most characters one token spells (its vocabulary string's length bounds its text's)."""
+        return max(map(len, self.tokenizer.get_vocab()))
+
     def id(self, token: str) -> Optional[int]:
+        """The id `token` names; None for a text no single id decodes to; MalformedAnswer for a
+        token_id:N beyond the vocabulary."""
         named = TOKEN_ID.fullmatch(token)
-        return int(named.group(1)) if named else self.id_of.get(token)
+        if not named:
+            return self.id_of.get(token)
+        i = int(named.group(1))
+        if i >= self.vocab_size:
+            raise MalformedAnswer(f"it names {token}, beyond the vocabulary of {self.vocab_size}")
+        return i
 
 
 @dataclass
@@ -283,35 +399,41 @@ def server_spans(completion: Completion) -> Optional[list[tuple[int, int]]]:
 
 
 def answer_from(completion: Completion, pieces: Pieces, tokenizer, eos_ids: set[int], end_of_turn: int, topk: int,
-                counts: Counter) -> Answer:
+                counts: Counter, max_new_tokens: Optional[int] = None) -> Answer:
     """The answer as target token ids with its loss mask (and top-k rows for the learned
-    tokens), counting round_tripped / not_round_tripped tokens (and
-    end_of_turn_without_logprobs) in `counts`.
+    tokens), counting in `counts` round_tripped / not_round_tripped tokens, the learned ones
+    left out for want of a top-k (without_topk; a row of no probability would make the KD
+    losses NaN), ends of turn without logprobs, and answers cut (answer_too_long).
 
     Server ids (vLLM's token_id:N) are the answer itself. Otherwise the text is tokenized
     again, and a token round-trips where the server generated exactly one token over the same
     characters: both tokenizations cut the text at its start and at its end, with no cut in
-    between (the bytes of one character, cut in several tokens, never round-trip). A finished answer ends with an end-of-turn token, as a local one does: the
-    server's own stop id where it lists it, else the template's; its top-k is the server's
-    entry after the text (a stop id, or a trailing token of no text) where there is one.
+    between (the bytes of one character, cut in several tokens, never round-trip). A finished
+    answer ends with an end-of-turn token, as a local one does: the server's own stop id where
+    it lists it, else the template's; its top-k is the server's entry after the text (a stop
+    id, or a trailing token of no text) where there is one. An answer of more than
+    max_new_tokens tokens (a server that ignored max_tokens) is cut to them, without an end of
+    turn: only the characters that many tokens can spell are tokenized.
     """
-    tokens = completion.tokens
+    tokens, text, finished = completion.tokens, completion.text, completion.finished
+    limit = max_new_tokens
+    too_long = limit is not None and len(text) > limit * pieces.longest
     top_of: list[Optional[int]] = []  # per answer token: its index among the server's tokens (None: no round trip)
     end_id, end_top = end_of_turn, None
     if tokens and all(TOKEN_ID.fullmatch(t) for t in tokens):
         ids = [pieces.id(t) for t in tokens]
         top_of = list(range(len(ids)))
-        if completion.finished and ids[-1] in eos_ids:
+        if finished and ids[-1] in eos_ids:
             end_id, end_top = ids[-1], len(ids) - 1
             ids, top_of = ids[:-1], top_of[:-1]
     else:
-        ids, ends = token_ends(tokenizer, completion.text)
+        ids, ends = token_ends(tokenizer, text[: limit * pieces.longest] if too_long else text)
         spans = server_spans(completion) or []
         starting = {}
         for j, (start, end) in enumerate(spans):
             if end > start:
                 starting.setdefault(start, (j, end))
-            elif start >= len(completion.text) and end_top is None:
+            elif start >= len(text) and end_top is None:
                 end_top = j  # a token of no text after the answer: the stop token
         cut = 0
         for i, end in enumerate(ends):
@@ -319,41 +441,49 @@ def answer_from(completion: Completion, pieces: Pieces, tokenizer, eos_ids: set[
             alone = end > cut and (i + 1 == len(ends) or ends[i + 1] > end)  # not one of several bytes of a character
             top_of.append(j if alone and server_end == end else None)
             cut = max(cut, end)
-    learned = [j is not None for j in top_of]
-    counts["round_tripped"] += sum(learned)
-    counts["not_round_tripped"] += len(learned) - sum(learned)
-    rows = [j for j in top_of if j is not None]
-    mask = [int(k) for k in learned]
-    if completion.finished:
-        ids = [*ids, end_id]
+    if limit is not None and len(ids) + finished > limit:
+        too_long = True
+    if too_long:
+        ids, top_of, finished = ids[:limit], top_of[:limit], False
+        counts["answer_too_long"] += 1
+    counts["not_round_tripped"] += sum(j is None for j in top_of)
+    if finished:
+        ids.append(end_id)
         learnable = not topk or (end_top is not None and end_top < len(completion.top))
-        mask.append(int(learnable))
-        if not learnable:
-            counts["end_of_turn_without_logprobs"] += 1
-        elif topk:
-            rows.append(end_top)
+        top_of.append(end_top if learnable else None)
+        counts["end_of_turn_without_logprobs"] += not learnable
+    mask = [int(j is not None) for j in top_of]
     answer = Answer(ids, mask)
     if topk:
-        answer.topk_ids, answer.topk_logits = top_arrays(
-            [completion.top[j] if j < len(completion.top) else {} for j in rows], pieces, topk)
+        learned = [t for t, m in enumerate(mask) if m]
+        top_ids, top_values = top_arrays([completion.top[top_of[t]] if top_of[t] < len(completion.top) else {}
+                                          for t in learned], pieces, topk)
+        some = np.isfinite(top_values).any(axis=1)
+        for t in (t for t, has in zip(learned, some) if not has):
+            mask[t] = 0
+        counts["without_topk"] += int((~some).sum())
+        answer.topk_ids, answer.topk_logits = top_ids[some], top_values[some]
+    counts["round_tripped"] += sum(mask[: len(mask) - finished])
     return answer
 
 
 def top_arrays(rows: list[dict[str, float]], pieces: Pieces, k: int) -> tuple[np.ndarray, np.ndarray]:
     """[len(rows), k] ids and log-probabilities, best first; an alternative whose token maps to
-    no single id, or a row with fewer than k, is filled with -inf (no probability)."""
+    no single id, or a row with fewer than k, is filled with -inf (no probability). Values are
+    checked log-probabilities (parse_completion); those below fp16's range are stored as its
+    lowest, not as -inf."""
     ids = np.zeros((len(rows), k), dtype=np.int32)
     values = np.full((len(rows), k), -np.inf, dtype=np.float16)
     for r, top in enumerate(rows):
-        mapped = sorted(((lp, pieces.id(t)) for t, lp in top.items() if pieces.id(t) is not None
-                         and lp is not None and math.isfinite(lp)), reverse=True)
+        mapped = sorted(((lp, i) for t, lp in top.items() if math.isfinite(lp) and (i := pieces.id(t)) is not None),
+                        reverse=True)
         seen = set()
         col = 0
         for lp, i in mapped:
             if i in seen or col == k:
                 continue
             seen.add(i)
-            ids[r, col], values[r, col] = i, lp
+            ids[r, col], values[r, col] = i, max(lp, FP16_LOWEST)
             col += 1
     return ids, values
 
@@ -404,7 +534,8 @@ async def converse(client: Client, conv, s: Settings, counts: Counter,
     """One conversation, its turns in order (each sees the target's earlier answers): its row
     as the local backend writes it, or None when its first turn does not fit max_length. Adds
     to `counts` (cut turns, whole conversations dropped, round trips) once it is done; a
-    RequestFailed it raises says in `turns_left` how many planned turns it did not do."""
+    RequestFailed it raises (MalformedAnswer for anything in an answer it cannot take) says in
+    `turns_left` how many planned turns it did not do."""
     from pipeline.data.chat import first_prompt_ids, next_turn_ids
 
     tok = s.tokenizer
@@ -428,10 +559,14 @@ async def converse(client: Client, conv, s: Settings, counts: Counter,
         try:
             completion = await client.complete(context, max_tokens=s.max_new_tokens, temperature=s.temperature,
                                                top_p=s.top_p, seed=turn_seed(s.seed, conv.id, turn))
+            try:
+                answer = answer_from(completion, s.pieces, tok, s.eos_ids, s.end_of_turn, s.topk, mine,
+                                     s.max_new_tokens)
+            except (TypeError, ValueError, KeyError, IndexError, AttributeError) as e:  # whatever else an answer holds
+                raise MalformedAnswer(client.line(f"{type(e).__name__}: {e}")) from None
         except RequestFailed as e:
             e.turns_left = num_turns - turn
             raise
-        answer = answer_from(completion, s.pieces, tok, s.eos_ids, s.end_of_turn, s.topk, mine)
         mask += [0] * len(new) + answer.mask
         ids = context + answer.ids
         answers.append(tok.decode(answer.ids, skip_special_tokens=True))
@@ -453,18 +588,20 @@ async def converse(client: Client, conv, s: Settings, counts: Counter,
 
 
 def generate_shards(server, shards: dict[int, list], s: Settings,
-                    write: Callable[[int, list[dict], Counter, str], None], probe: list[int],
+                    write: Callable[[int, list[dict], Counter, dict[str, str], str], None], probe: list[int],
                     progress: Optional[Callable[[int, int], None]] = None, expected_model: Optional[str] = None) -> str:
     """Check the endpoints (Client.check, with the prompt ids `probe`), then every conversation
     of `shards` (index -> conversations) through them, at most server.concurrency in flight;
-    write(index, rows in order, counts, model id) as each shard completes. A conversation whose
-    request still fails after its retries is skipped and counted (server_failed); ServerGone
-    stops the run, the shards written so far stay. The served model must be `expected_model`
-    (the one the run's finished shards came from) where that is given. Returns the model id."""
+    write(index, rows in order, counts, failed conversations {id: reason}, model id) as each
+    shard completes. A conversation whose request still fails after its retries, or whose answer
+    is malformed, is skipped and counted (FAILURES); ServerGone stops the run, the shards
+    written so far stay. The served model must be `expected_model` (the one the run's finished
+    shards came from) where that is given. Returns the model id."""
     order = [(index, position, conv) for index, convs in shards.items() for position, conv in enumerate(convs)]
     rows = {index: [None] * len(convs) for index, convs in shards.items()}
     left = {index: len(convs) for index, convs in shards.items()}
     counts = {index: Counter() for index in shards}
+    failed = {index: {} for index in shards}
 
     async def main() -> str:
         client = Client(server, topk=s.topk, decode=s.tokenizer.decode)
@@ -475,16 +612,18 @@ def generate_shards(server, shards: dict[int, list], s: Settings,
             try:
                 rows[index][position] = await converse(client, conv, s, counts[index], progress)
             except RequestFailed as e:
-                counts[index]["server_failed"] += 1
+                counts[index][e.reason] += 1
+                failed[index][conv.id] = e.reason
                 if progress:
                     progress(e.turns_left, 0)
-                log.warning("generate: conversation %s skipped after %d tries: %s", conv.id, server.retries + 1, e)
+                log.warning("generate: conversation %s skipped after %d %s: %s", conv.id, e.tries,
+                            "try" if e.tries == 1 else "tries", e)
             left[index] -= 1
             if not left[index]:
-                write(index, [r for r in rows[index] if r is not None], counts[index], model)
+                write(index, [r for r in rows[index] if r is not None], counts[index], failed[index], model)
 
         try:
-            model = await client.check(probe)
+            model = await client.check(probe, expected_model)
             if expected_model is not None and model != expected_model:
                 raise PipelineError(f"generate: this run's finished shards came from {expected_model}, the server "
                                     f"now serves {model}; serve that model again, or start another run=<name>")

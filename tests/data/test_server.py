@@ -13,63 +13,15 @@ import time
 from collections import Counter
 from pathlib import Path
 
-import datasets
 import pytest
 import torch
 
-from conftest import REPO, byte_chat_tokenizer, compose_config, kill_9_when, write_jsonl
-from fake_server import FakeServer, Faults
+from conftest import REPO, compose_config, kill_9_when, write_jsonl
+from fake_server import FakeServer, Faults, ascii_chat_tokenizer, overrides, rows, server
+from fake_server import ascii_target, prompts  # noqa: F401 (fixtures)
 from pipeline.data import generate
 from pipeline.errors import PipelineError
 from pipeline.runs import MANIFEST
-
-
-def ascii_chat_tokenizer():
-    """Printable ASCII and newline, one token each, and ChatML specials: every token's text is
-    its own, so a greedy answer's text tokenizes back to the same ids."""
-    return byte_chat_tokenizer("".join(map(chr, range(32, 127))) + "\n")
-
-
-@pytest.fixture(scope="module")
-def ascii_target(tmp_path_factory) -> Path:
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
-
-    folder = tmp_path_factory.mktemp("ascii_target")
-    tok = ascii_chat_tokenizer()
-    config = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, tie_word_embeddings=True,
-                         initializer_range=0.3)  # varied answers (at 0.02 a random model repeats one token)
-    torch.manual_seed(1)
-    model = LlamaForCausalLM(config)
-    with torch.no_grad():  # the end of turn wins where "|" would, so some answers end early
-        model.lm_head.weight[tok.eos_token_id] = 1.5 * model.lm_head.weight[tok.convert_tokens_to_ids("|")]
-    model.generation_config = GenerationConfig(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    model.save_pretrained(folder, safe_serialization=True)
-    tok.save_pretrained(folder)
-    return folder
-
-
-@pytest.fixture
-def prompts(tmp_path) -> Path:
-    records = [{"id": f"p{i}", "messages": [{"role": "user", "content": f"question {i}" + "?" * (i % 3)},
-                                            {"role": "assistant", "content": "an answer"},
-                                            {"role": "user", "content": f"and then {i}"}]}
-               for i in range(10)]
-    return write_jsonl(tmp_path / "prompts.jsonl", records)
-
-
-def overrides(target, data, runs, *extra):
-    return ["target=hf", f"target.name_or_path={target}", "data=file", f"data.path={data}", f"runs_dir={runs}",
-            "run=t", "generate.max_new_tokens=12", "generate.shard_size=3", *extra]
-
-
-def server(url, *extra):
-    return ["generate.backend=server", f"generate.server.urls=[{url}]", "generate.server.backoff_s=0.05", *extra]
-
-
-def rows(out: Path) -> list[dict]:
-    return datasets.load_from_disk(str(out / "dataset")).to_list()
 
 
 @pytest.mark.parametrize("ids, text_prompts", [(False, False), (True, False), (False, True)],
