@@ -442,6 +442,10 @@ class TrainConfig:
     """fp32, bf16 (autocast through accelerate) or auto: bf16 where the device computes it
     natively (a CUDA GPU with bf16, a CPU with AVX512-BF16 or AMX), else fp32. On a CPU without
     them bf16 is emulated and many times slower than fp32."""
+    pack: bool = False
+    """Pack each micro-batch's conversations into shared rows (as wide as its longest; attention
+    causal within a conversation, blind across; positions restart), so fewer padding tokens are
+    computed: the same learned positions and loss, less work where lengths vary."""
     eval_every: int = 100
     """Steps between held-out evaluations of the expected acceptance α = 1 - TV(p, q)."""
     eval_fraction: float = 0.05
@@ -486,10 +490,6 @@ class DistillConfig(TrainConfig):
     target (DistillSpec); needs the target in memory."""
     onpolicy_tokens: int = 32
     """Length of each sampled continuation."""
-    pack: bool = False
-    """Pack each micro-batch's conversations into shared rows (as wide as its longest; attention
-    causal within a conversation, blind across; positions restart), so fewer padding tokens are
-    computed: the same learned positions and loss, less work where lengths vary."""
 
     def __post_init__(self) -> None:
         self._check_training("distill")
@@ -514,6 +514,14 @@ class HeadsConfig(TrainConfig):
     kind: str = "eagle"
     """medusa (K heads on the last hidden state), eagle (one decoder layer over fused target
     features, autoregressive) or early_exit (the target's first layers + a trained exit adapter)."""
+    precision: str = "auto"
+    """As for every training stage; the heads default to auto (bf16 autocast with fp32 master
+    weights where the device computes bf16 natively)."""
+    pack: bool = True
+    tree_budget: int = 8
+    """The token tree (draft tokens per target pass) whose held-out τ chooses the checkpoint kept:
+    of the evaluations every eval_every steps, the one with the best τ of such a tree (medusa,
+    eagle; early exit: of a chain of 4) is the result, not the last."""
     draft_vocab_size: int = 8192
     """Tokens the heads may propose (the most frequent answer tokens of the training data), so
     their LM head costs a fraction of the target's. 0: the full vocabulary."""
@@ -537,10 +545,10 @@ class HeadsConfig(TrainConfig):
     first), after which a step costs only the heads -- for more than one epoch."""
     cache_shard_size: int = 64
     """Sequences per feature-cache shard (heads.features=offline)."""
-    target_bf16: Optional[bool] = False
+    target_bf16: Optional[bool] = None
     """Run the frozen target's forward (its features and distributions) under bfloat16 autocast:
     about twice as fast on a CPU with AVX512-BF16, at bf16 rounding of what the heads learn from.
-    null: only where the device computes bf16 natively (many times slower elsewhere)."""
+    null (the default): only where the device computes bf16 natively (many times slower elsewhere)."""
     exit_layer: int = 8
     """early_exit: the draft is the target's first exit_layer layers plus the adapter."""
     adapter_rank: int = 256
@@ -552,7 +560,7 @@ class HeadsConfig(TrainConfig):
         _check_choice("heads.loss", self.loss, ("forward_kl", "reverse_kl", "jsd", "tv"))
         _check_choice("heads.features", self.features, ("online", "offline"))
         for name in ("medusa_num_heads", "medusa_num_layers", "ttt_steps", "exit_layer", "adapter_rank",
-                     "cache_shard_size"):
+                     "cache_shard_size", "tree_budget"):
             _check_positive(f"heads.{name}", getattr(self, name))
         if self.draft_vocab_size < 0:
             raise ValueError(f"heads.draft_vocab_size must be >= 0, got {self.draft_vocab_size}")

@@ -39,6 +39,7 @@ CONF_DEEPSPEED = Path(__file__).resolve().parent.parent / "conf" / "deepspeed"
 
 def make_accelerator(tc: TrainConfig):
     from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
     from accelerate.utils import DeepSpeedPlugin, InitProcessGroupKwargs
 
     cpu = not torch.cuda.is_available()
@@ -57,7 +58,13 @@ def make_accelerator(tc: TrainConfig):
     if tc.precision == "auto":
         log.info("precision auto -> %s (%s bf16 on this %s)", precision,
                  "native" if precision == "bf16" else "no native", "CPU" if cpu else "GPU")
-    accelerator = Accelerator(cpu=cpu and plugin is None, mixed_precision="bf16" if precision == "bf16" else "no",
+    mixed = "bf16" if precision == "bf16" else "no"
+    state = AcceleratorState._shared_state
+    if state and state.get("_mixed_precision") != mixed:
+        # One process may train twice (stage=all: distill, then heads) at other precisions; the
+        # state accelerate keeps per process would refuse the second (the process group stays).
+        AcceleratorState._reset_state()
+    accelerator = Accelerator(cpu=cpu and plugin is None, mixed_precision=mixed,
                               gradient_accumulation_steps=tc.grad_accum, deepspeed_plugin=plugin,
                               kwargs_handlers=handlers)
     if plugin is not None:  # we feed batches ourselves, so DeepSpeed learns their size here
@@ -233,6 +240,9 @@ class Task:
     """What is decided once per step (distill: on-policy or not), handed to `loss` and logged."""
     rng: Optional[torch.Generator] = None
     """The stage's own sampler (distill's on-policy one), restored on resume."""
+    select: Optional[str] = None
+    """A key of `evaluate`'s statistics, higher better (heads: the held-out τ): of the weights
+    evaluated every eval_every steps, those with the best value are the result, not the last."""
 
 
 def prefixed(stage: str, metrics: dict) -> dict:
@@ -280,6 +290,11 @@ def train_steps(training: Training, task: Task) -> tuple[torch.nn.Module, Option
 
     if start_step == 0:
         start_stats = evaluate()
+    best = Best(work / "best", task.select if accelerator.distributed_type.name != "DEEPSPEED" else None)
+    if task.select and best.key is None:
+        log.warning("%s: under DeepSpeed the last step's weights are kept (no choice by %s)", stage, task.select)
+    if main and start_step == 0:  # a resumed run finds the kept weights in best.folder
+        best.consider(0, start_stats, accelerator.unwrap_model(model).draft)
     tokens_seen, t_loop = 0, time.perf_counter()
     bar = tqdm(total=tc.max_steps, initial=start_step, desc=training.name, unit="step", disable=not main,
                dynamic_ncols=True)
@@ -308,13 +323,16 @@ def train_steps(training: Training, task: Task) -> tuple[torch.nn.Module, Option
                       tokens_per_s=tokens_seen * world / (time.perf_counter() - t_loop), **drawn)
         if (step + 1) % tc.eval_every == 0 or step + 1 == tc.max_steps:
             record.update(evaluate())
+            if main:
+                best.consider(step + 1, record, accelerator.unwrap_model(model).draft)
+                bar.write(f"{training.name} step {step + 1}: {heldout_line(record)}")
         if main:
             with open(work / "metrics.jsonl", "a") as f:
                 f.write(json.dumps(record) + "\n")
             tracker.log(prefixed(stage, record), step=step + 1)
             bar.set_postfix(loss=f"{step_loss:.4f}", **{name: f"{record[key]:.3f}" for name, key in
-                                                        (("alpha", "heldout_alpha"), ("top1", "heldout_top1"))
-                                                        if record.get(key) is not None})
+                                                        (("alpha", "heldout_alpha"), ("top1", "heldout_top1"),
+                                                         ("tau", task.select)) if key and record.get(key) is not None})
             bar.update(1)
         if (step + 1) % tc.save_every == 0 and step + 1 < tc.max_steps:
             save_state(work / "state", accelerator, model, optimizer, scheduler, step + 1, task.rng, training.plan,
@@ -323,15 +341,82 @@ def train_steps(training: Training, task: Task) -> tuple[torch.nn.Module, Option
 
     end_stats = ({k: v for k, v in record.items() if k.startswith("heldout")} if start_step < tc.max_steps
                  else evaluate())
+    chosen = {}
+    if best.key and main:
+        chosen = best.restore(accelerator.unwrap_model(model).draft, tc.max_steps, end_stats)
+        end_stats = chosen.pop("stats")
     accelerator.wait_for_everyone()
     state_dict = None
     if accelerator.distributed_type.name == "DEEPSPEED":
         state = accelerator.get_state_dict(model)  # gathers ZeRO-3 shards, full tensors on the main process
         state_dict = {k.removeprefix("draft."): v for k, v in state.items()} if main else None
     metrics = dict(final_loss=last_loss, steps=tc.max_steps, trainable_parameters=num_trainable, processes=world,
-                   distributed=accelerator.distributed_type.name, **{f"{k}_start": v for k, v in start_stats.items()},
+                   distributed=accelerator.distributed_type.name, **chosen,
+                   **{f"{k}_start": v for k, v in start_stats.items()},
                    **{f"{k}_end": v for k, v in end_stats.items()})
     return accelerator.unwrap_model(model).draft, state_dict, metrics
+
+
+def heldout_line(stats: dict) -> str:
+    """The held-out statistics of an evaluation on one line: lists per draft position, numbers."""
+    def shown(value) -> str:
+        if isinstance(value, list):
+            return "[" + ", ".join("-" if v is None else f"{v:.3f}" for v in value) + "]"
+        return f"{value:.3f}" if isinstance(value, float) else str(value)
+
+    return ", ".join(f"{k.removeprefix('heldout_')} {shown(v)}" for k, v in stats.items()
+                     if k.startswith("heldout") and v is not None) or "no held-out data"
+
+
+class Best:
+    """The weights with the best held-out `key` so far (Task.select), kept in `folder` (the
+    trainable tensors and best.json: the step and its statistics), so a resumed run still
+    knows them. Only the main process calls it; without a key it keeps nothing."""
+
+    def __init__(self, folder: Path, key: Optional[str]) -> None:
+        self.folder, self.key = folder, key
+
+    def read(self) -> Optional[dict]:
+        try:
+            return json.loads((self.folder / "best.json").read_text())
+        except (OSError, ValueError):
+            return None
+
+    def consider(self, step: int, stats: dict, draft: torch.nn.Module) -> None:
+        """Keep `draft`'s weights if its statistics at `step` beat the kept ones (at step 0, a
+        fresh run, whatever an earlier one kept is replaced)."""
+        from safetensors.torch import save_file
+
+        if self.key is None or stats.get(self.key) is None:
+            return
+        kept = self.read() if step > 0 else None
+        if kept is not None and kept["stats"][self.key] >= stats[self.key]:
+            return
+        with atomic_dir(self.folder, "checkpoint") as tmp:
+            save_file({n: p.detach().contiguous().cpu() for n, p in draft.named_parameters() if p.requires_grad},
+                      str(tmp / "trainable.safetensors"))
+            atomic_write_json(tmp / "best.json", dict(step=step, stats={k: v for k, v in stats.items()
+                                                                        if k.startswith("heldout")}))
+
+    def restore(self, draft: torch.nn.Module, last_step: int, last_stats: dict) -> dict:
+        """Load the kept weights into `draft` where they beat the last step's, and say which were
+        chosen: selected_step, selected_by, last_step_<key>, and `stats` (the chosen weights')."""
+        from safetensors.torch import load_file
+
+        kept = self.read()
+        chosen = dict(selected_by=self.key, selected_step=last_step, stats=last_stats,
+                      **{f"last_step_{self.key}": last_stats.get(self.key)})
+        if kept is not None and kept["step"] != last_step and (last_stats.get(self.key) is None or
+                                                               kept["stats"][self.key] > last_stats[self.key]):
+            params = dict(draft.named_parameters())
+            with torch.no_grad():
+                for name, value in load_file(str(self.folder / "trainable.safetensors")).items():
+                    params[name].copy_(value)
+            chosen.update(selected_step=kept["step"], stats=kept["stats"])
+            log.info("keeping the weights of step %d (%s %.3f; the last step's %s)", kept["step"], self.key,
+                     kept["stats"][self.key], last_stats.get(self.key))
+        remove(self.folder)
+        return chosen
 
 
 def finish(training: Training, metrics: dict) -> None:

@@ -114,6 +114,8 @@ class Batch:
     ...; 0 on padding); None: one conversation per row."""
     position_ids: Optional[torch.Tensor] = None
     """Packed rows: [B, T] positions restarting at 0 with each conversation."""
+    starts: Optional[torch.Tensor] = None
+    """[n_examples, 2] where each example's first token is: (row, column)."""
 
     def to(self, device) -> "Batch":
         moved = {k: v.to(device) for k, v in vars(self).items() if isinstance(v, torch.Tensor)}
@@ -179,4 +181,5 @@ def collate(examples: list[Example], pad_id: int, offline: bool, pack: bool = Fa
     teacher = None
     if offline:
         teacher = Teacher(torch.cat([ex.topk_logits for ex in examples]), torch.cat([ex.topk_ids for ex in examples]))
-    return Batch(ids, mask, rows_t, cols_t, ids[rows_t, cols_t + 1], teacher, segments, positions)
+    starts = torch.tensor([where[i] for i in range(len(examples))], dtype=torch.long).reshape(-1, 2)
+    return Batch(ids, mask, rows_t, cols_t, ids[rows_t, cols_t + 1], teacher, segments, positions, starts)

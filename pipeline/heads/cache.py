@@ -60,9 +60,11 @@ class FeatureCache:
     def shard_path(self, shard: int) -> Path:
         return self.folder / SHARD.format(shard)
 
-    def build(self, target: torch.nn.Module, examples: list[Example], pad_id: int, batch_size: int,
+    def build(self, target: torch.nn.Module, examples: list[Example], pad_id: int, batch_tokens: int,
               bf16: bool) -> None:
-        """Compute and write every missing shard (the main process only)."""
+        """Compute and write every missing shard (the main process only): each shard's sequences
+        longest first, packed into rows of the longest (collate's pack) up to `batch_tokens`
+        tokens a target pass, so no pass computes padding."""
         from safetensors.torch import save_file
 
         own_dir(self.folder, "features", adopt=lambda folder: (folder / "meta.json").is_file())
@@ -77,44 +79,61 @@ class FeatureCache:
                                                            shard_size=self.shard_size, sequences=len(examples),
                                                            tokens=tokens, bytes=int(gib * 2**30)))
         device = next(target.parameters()).device
-        with tqdm(total=len(todo) * self.shard_size, desc="cache features", unit="seq", dynamic_ncols=True) as bar:
+        todo_tokens = sum(len(examples[i].input_ids) for s in todo for i in self.members(s, len(examples)))
+        with tqdm(total=todo_tokens, desc="cache features", unit="tok", unit_scale=True, dynamic_ncols=True) as bar:
             for shard in todo:
-                chosen = list(range(shard * self.shard_size, min((shard + 1) * self.shard_size, len(examples))))
+                chosen = sorted(self.members(shard, len(examples)), key=lambda i: -len(examples[i].input_ids))
                 tensors = {}
-                for start in range(0, len(chosen), batch_size):
-                    part = chosen[start : start + batch_size]
-                    batch = collate([examples[i] for i in part], pad_id, False).to(device)
+                for part in token_batches(chosen, [len(examples[i].input_ids) for i in chosen], batch_tokens):
+                    batch = collate([examples[i] for i in part], pad_id, False, pack=True).to(device)
                     hidden = run_target(target, batch, self.layers, bf16)
                     joined = torch.cat([hidden[i] for i in self.layers], dim=-1).to(torch.float16).cpu()
-                    for row, i in enumerate(part):
-                        tensors[str(i)] = joined[row, : len(examples[i].input_ids)].contiguous()
-                    bar.update(len(part))
+                    for (row, col), i in zip(batch.starts.tolist(), part):
+                        tensors[str(i)] = joined[row, col : col + len(examples[i].input_ids)].contiguous()
+                    bar.update(int(batch.attention_mask.sum()))
                 tmp = self.shard_path(shard).with_suffix(".tmp")
                 save_file(tensors, str(tmp))
                 rename(tmp, self.shard_path(shard))  # a shard is there whole or not at all
 
+    def members(self, shard: int, num_examples: int) -> range:
+        return range(shard * self.shard_size, min((shard + 1) * self.shard_size, num_examples))
+
     def hidden(self, indices: list[int], batch: Batch) -> dict[int, torch.Tensor]:
-        """The cached hidden states of examples `indices`, padded like `batch`: layer -> [B, T, H]."""
+        """The cached hidden states of examples `indices`, placed as `batch` holds them (padded or
+        packed, batch.starts): layer -> [B, T, H]."""
         from safetensors import safe_open
 
         b, t = batch.input_ids.shape
         out = torch.zeros((b, t, len(self.layers) * self.hidden_size), dtype=torch.float32)
-        for row, i in enumerate(indices):
+        for (row, col), i in zip(batch.starts.tolist(), indices):
             shard = i // self.shard_size
             if shard not in self._open:
                 self._open[shard] = safe_open(str(self.shard_path(shard)), framework="pt")
             value = self._open[shard].get_tensor(str(i))
-            out[row, : value.shape[0]] = value.float()
+            out[row, col : col + value.shape[0]] = value
         out = out.to(batch.input_ids.device)
         h = self.hidden_size
         return {layer: out[..., j * h : (j + 1) * h] for j, layer in enumerate(self.layers)}
 
 
+def token_batches(items: list[int], lengths: list[int], budget: int) -> list[list[int]]:
+    """`items` (longest first) in consecutive batches of at most `budget` tokens (one item each
+    where an item alone is longer)."""
+    batches, current, tokens = [], [], 0
+    for item, n in zip(items, lengths):
+        if current and tokens + n > budget:
+            batches.append(current)
+            current, tokens = [], 0
+        current.append(item)
+        tokens += n
+    return batches + [current] if current else batches
+
+
 @torch.no_grad()
 def run_target(target: torch.nn.Module, batch: Batch, layers: list[int], bf16: bool) -> dict[int, torch.Tensor]:
-    """The frozen target's hidden states `layers` on a batch (bf16 autocast if asked)."""
+    """The frozen target's hidden states `layers` on a batch, padded or packed (bf16 autocast if asked)."""
     with torch.autocast(batch.input_ids.device.type, dtype=torch.bfloat16, enabled=bf16):
-        out = target.get_decoder()(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False,
-                                   **with_hidden_states(layers))
+        out = target.get_decoder()(input_ids=batch.input_ids, attention_mask=batch.model_mask(),
+                                   position_ids=batch.position_ids, use_cache=False, **with_hidden_states(layers))
     dtype = next(target.parameters()).dtype
     return {i: out.hidden_states[i].to(dtype) for i in layers}

@@ -6,13 +6,16 @@ Input: `runs/<run>/generate/dataset`. Output (`runs/<run>/heads/<kind>/`):
   heads_config.json    kind and settings; load_heads rebuilds the rest from the target
   initial/             the same heads before training (the baseline)
   state/               the last resumable checkpoint (deleted when the run finishes)
-  metrics.jsonl        loss, learning rate, held-out α and top-1 agreement per logged step
+  metrics.jsonl        loss, learning rate, held-out α, top-1 agreement and implied τ per logged step
   plan.json            the hash of what decides the weights
   manifest.json        written last, with the sha256 of the generate manifest it trained on
 
 The loop is pipeline/training.py's, shared with the distill stage: processes, DeepSpeed, resume,
 overwrite (a finished stage stays until its replacement is complete), NaN checks and logging.
-This stage supplies the heads, their loss on the target's features and their held-out evaluation.
+This stage supplies the heads, their loss on the target's features and their held-out evaluation:
+α and top-1 agreement per draft position and the τ they imply for a chain of 4 and for a token
+tree of heads.tree_budget nodes; the weights with the best held-out τ are kept (acceptance, not
+the loss, chooses).
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from pipeline.distributed import native_bf16
 from pipeline.errors import PipelineError
 from pipeline.heads.models import build_heads, feature_indices, own_state, save_heads
 from pipeline.heads.cache import FeatureCache, find_cache
-from pipeline.heads.train import HeadsForTraining, Terms, target_layers, target_view, view_from_hidden
+from pipeline.heads.train import RANKS, HeadsForTraining, Terms, target_layers, target_view, view_from_hidden
 from pipeline.files import atomic_dir, remove, rename
 from pipeline.runs import stage_dir
 from pipeline.training import Task, finish, start_training, train_steps
@@ -53,6 +56,15 @@ def heads_settings(cfg: Config, target_config) -> dict:
     return dict(exit_layer=hc.exit_layer, adapter_rank=hc.adapter_rank)
 
 
+TREE_KINDS = ("medusa", "eagle")
+"""The kinds eval also drafts token trees with: their held-out τ is a tree's."""
+
+
+def tau(metrics: dict, shape: str) -> str:
+    value = metrics.get(f"heldout_tau_{shape}_end")
+    return f"{value:.2f}" if value is not None else "n/a"
+
+
 def heads_dir(cfg: Config, kind: Optional[str] = None) -> Path:
     return stage_dir(cfg.runs_dir, cfg.run, STAGE) / (kind or cfg.heads.kind)
 
@@ -66,27 +78,66 @@ def plan_key(cfg: Config, gen_manifest: dict) -> str:
     return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()
 
 
+CHAIN = 4
+"""The chain whose held-out τ is reported beside the tree's (num_draft_tokens = 4)."""
+
+
 class Tally:
-    """Sums of α and top-1 agreement per draft position."""
+    """Sums of α and top-1 agreement per draft position, and how often the target's token was
+    the head's rank-r candidate there."""
 
     def __init__(self) -> None:
         self.alpha: list[float] = []
         self.top1: list[float] = []
         self.count: list[int] = []
+        self.ranks: list[torch.Tensor] = []
 
     def add(self, terms: Terms) -> None:
-        for i, (alpha, top1) in enumerate(zip(terms.alpha, terms.top1)):
+        for i, (alpha, top1, rank) in enumerate(zip(terms.alpha, terms.top1, terms.rank)):
             if i == len(self.count):
                 self.alpha.append(0.0), self.top1.append(0.0), self.count.append(0)
+                self.ranks.append(torch.zeros(RANKS + 1, dtype=torch.long))
             self.alpha[i] += float(alpha.sum())
             self.top1[i] += float(top1.sum())
             self.count[i] += alpha.numel()
+            self.ranks[i] += torch.bincount(rank.cpu(), minlength=RANKS + 1)
 
-    def means(self) -> dict:
+    def means(self, tree_budget: int, autoregressive: bool) -> dict:
+        """The mean statistics per position and the τ they imply: of a chain of CHAIN tokens
+        (an autoregressive draft's later positions taken as its last measured one) and, from
+        the rank frequencies, of the best static tree of `tree_budget` nodes."""
         alpha = [a / n if n else None for a, n in zip(self.alpha, self.count)]
         top1 = [a / n if n else None for a, n in zip(self.top1, self.count)]
+        chances = [(r[:RANKS].double() / n).tolist() for r, n in zip(self.ranks, self.count) if n]
+        if autoregressive and chances:
+            chances += [chances[-1]] * (CHAIN - len(chances))
         return dict(heldout_alpha=alpha[0] if alpha else None, heldout_top1=top1[0] if top1 else None,
-                    heldout_alpha_by_position=alpha, heldout_top1_by_position=top1)
+                    heldout_alpha_by_position=alpha, heldout_top1_by_position=top1,
+                    heldout_tau_chain=tree_tau([c[:1] for c in chances[:CHAIN]], CHAIN),
+                    heldout_tau_tree=tree_tau(chances, tree_budget))
+
+
+def tree_tau(chances: list[list[float]], budget: int) -> float:
+    """1 + the expected tokens accepted from the best static tree of `budget` nodes, where
+    chances[d][r] is how often the target's token at depth d+1 is the draft's rank-r candidate
+    (its path accepted so far): a node is accepted with the product of its path's chances, and
+    best-first over them is the best tree (a child never beats its parent). A chain is the
+    tree of rank-0 nodes only."""
+    import heapq
+
+    heap = [(-c, (r,)) for r, c in enumerate(chances[0]) if c > 0] if chances else []
+    heapq.heapify(heap)
+    total = 0.0
+    for _ in range(budget):
+        if not heap:
+            break
+        weight, path = heapq.heappop(heap)
+        total -= weight
+        if len(path) < len(chances):
+            for r, c in enumerate(chances[len(path)]):
+                if c > 0:
+                    heapq.heappush(heap, (weight * c, path + (r,)))
+    return 1.0 + total
 
 
 def run(cfg: Config) -> Path:
@@ -138,11 +189,11 @@ def run(cfg: Config) -> Path:
             log.info("heads: layers %s read from the feature cache of layers %s (%s)", layers_needed, cached, folder.name)
         cache = FeatureCache(folder, cached, target_model.config.hidden_size, hc.cache_shard_size)
         if main:
-            cache.build(target_model, train, pad_id, hc.batch_size, hc.target_bf16)
+            cache.build(target_model, train, pad_id, hc.batch_size * hc.max_length, hc.target_bf16)
         accelerator.wait_for_everyone()
 
     def loss(model, micro: list[int], drawn: dict) -> tuple[torch.Tensor, int]:
-        batch = collate([train[i] for i in micro], pad_id, False)
+        batch = collate([train[i] for i in micro], pad_id, False, hc.pack)
         tokens = int(batch.attention_mask.sum())  # counted on the host: no device sync
         batch = batch.to(accelerator.device)
         if cache is not None:
@@ -151,21 +202,26 @@ def run(cfg: Config) -> Path:
             view = target_view(target_model, batch, layers, vocab_ids, hc.target_bf16)
         return model(view, batch).loss, tokens
 
+    # EAGLE's held-out chains go as deep as eval drafts (its trees' depth, a chain of CHAIN).
+    depth = max(hc.ttt_steps, CHAIN, cfg.eval.tree_depth) if hc.kind == "eagle" else None
+
     def evaluate(model) -> dict:
         if not heldout:
             return {}
         tally = Tally()
         for start in range(0, len(heldout), hc.batch_size):
             batch = collate(heldout[start : start + hc.batch_size], pad_id, False).to(accelerator.device)
-            tally.add(model(target_view(target_model, batch, layers, vocab_ids), batch))  # fp32: as eval sees it
-        return tally.means()
+            view = target_view(target_model, batch, layers, vocab_ids, stats=True)  # fp32: as eval sees it
+            tally.add(model(view, batch, depth))
+        return tally.means(hc.tree_budget, autoregressive=hc.kind != "medusa")
 
     if main:
         log.info("heads: %s, %d train / %d held-out conversations (%d skipped), loss %s, draft vocabulary %d "
                  "(held-out coverage %s)", hc.kind, len(train), len(heldout), sum(skipped.values()), hc.loss,
                  len(draft_vocab), f"{coverage:.3f}" if coverage is not None else "n/a")
     model = HeadsForTraining(heads.train(), target_model, hc.loss, hc.medusa_decay, hc.ttt_steps)
-    trained, state_dict, metrics = train_steps(training, Task(model, len(train), loss, evaluate))
+    select = "heldout_tau_tree" if hc.kind in TREE_KINDS else "heldout_tau_chain"
+    trained, state_dict, metrics = train_steps(training, Task(model, len(train), loss, evaluate, select=select))
     if main:
         train_s = time.perf_counter() - t_start
         metrics = dict(kind=hc.kind, features=hc.features, **metrics, train_conversations=len(train),
@@ -185,6 +241,8 @@ def run(cfg: Config) -> Path:
             return f"{value:.3f}" if value is not None else "n/a"
 
         print(f"{training.name}: {hc.max_steps} steps in {train_s / 60:.1f} min, final loss {metrics['final_loss']:.4f}"
-              f", held-out top-1 agreement at draft position 1 {top1('start')} -> {top1('end')} -> {out}")
+              f", held-out top-1 agreement at draft position 1 {top1('start')} -> {top1('end')}, held-out τ "
+              f"{tau(metrics, 'chain')} for a chain of {CHAIN}, {tau(metrics, 'tree')} for a tree of {hc.tree_budget} "
+              f"(the weights of step {metrics.get('selected_step', hc.max_steps)}) -> {out}")
     accelerator.wait_for_everyone()
     return out

@@ -62,7 +62,7 @@ def test_every_kind_trains_and_eval_reports_it(tiny_target_dir, generated, tmp_p
         assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
         before, after = load_file(out / "initial/heads.safetensors"), load_file(out / "heads.safetensors")
         assert any(not torch.equal(before[k], after[k]) for k in before if k != "draft_to_target"), kind
-    positions = {"medusa": 3, "eagle": 2, "early_exit": 1}
+    positions = {"medusa": 3, "eagle": 5, "early_exit": 1}  # EAGLE's held-out chains: eval's tree depth
     for kind, n in positions.items():
         metrics = json.loads((runs / "h/heads" / kind / "manifest.json").read_text())["metrics"]
         assert len(metrics["heldout_alpha_by_position_end"]) == n, kind
@@ -197,11 +197,12 @@ def test_eagle_training_steps_equal_drafting_step_by_step(tiny_target_dir, gener
 
 
 def test_offline_features_train_like_online_and_resume_by_shard(tiny_target_dir, generated, tmp_path, capsys):
-    online = heads_stage.run(compose_config(*overrides(tiny_target_dir, fresh_run(generated, tmp_path / "a"), "eagle"),
-                                            stage="heads"))
+    fp32 = ("heads.precision=fp32", "heads.target_bf16=false")  # what differs is the cache's fp16 alone
+    online = heads_stage.run(compose_config(*overrides(tiny_target_dir, fresh_run(generated, tmp_path / "a"), "eagle",
+                                                       *fp32), stage="heads"))
     runs = fresh_run(generated, tmp_path / "b")
     offline = heads_stage.run(compose_config(*overrides(tiny_target_dir, runs, "eagle", "heads.features=offline",
-                                                        "heads.cache_shard_size=4"), stage="heads"))
+                                                        "heads.cache_shard_size=4", *fp32), stage="heads"))
     printed = capsys.readouterr().out
     assert "caching target features" in printed and "GiB on disk" in printed
     shards = sorted((runs / "h/heads/features").glob("*/shard-*.safetensors"))
@@ -215,7 +216,7 @@ def test_offline_features_train_like_online_and_resume_by_shard(tiny_target_dir,
     shards[0].unlink()
     (offline / "manifest.json").unlink()  # a finished stage is left alone: make it one killed before its end
     heads_stage.run(compose_config(*overrides(tiny_target_dir, runs, "eagle", "heads.features=offline",
-                                              "heads.cache_shard_size=4", "heads.resume=false"), stage="heads"))
+                                              "heads.cache_shard_size=4", "heads.resume=false", *fp32), stage="heads"))
     assert shards[0].is_file() and all(p.stat().st_mtime_ns == t for p, t in stamp.items() if p != shards[0])
     assert f"{len(shards) - 1} of {len(shards)} shards already there" in capsys.readouterr().out
 
@@ -235,3 +236,65 @@ def test_medusa_reads_the_cache_eagle_built(tiny_target_dir, generated, tmp_path
     a, b = load_file(shared / "heads.safetensors"), load_file(alone / "heads.safetensors")
     for key in a:
         torch.testing.assert_close(a[key], b[key], rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["medusa", "eagle", "early_exit"])
+def test_packed_rows_give_the_losses_and_statistics_of_one_conversation_per_row(tiny_target_dir, generated, kind):
+    """heads.pack: the conversations of a micro-batch share rows (positions restart, attention
+    and training-time test stay within each): the same loss and held-out statistics."""
+    from pipeline.heads.train import HeadsForTraining
+
+    target = load_target(name_or_path=str(tiny_target_dir))
+    examples, _ = load_examples(generated / "h/generate/dataset", 64)
+    examples = [examples[i] for i in (0, 3, 5, 7)]
+    for i, n in enumerate((9, 40, 25, 64)):  # lengths that pack: 64 | 40 + 9 | 25
+        ex = examples[i]
+        examples[i] = type(ex)(ex.id, ex.input_ids[:n], [t for t in ex.positions if t < n - 1])
+    settings = {"medusa": dict(num_heads=3, num_layers=1), "eagle": dict(feature_layers=[1, 2], ttt_steps=3),
+                "early_exit": dict(exit_layer=1, adapter_rank=8)}[kind]
+    heads = build_heads(kind, target.model, torch.arange(target.model.config.vocab_size), settings)
+    with torch.no_grad():
+        for p in heads.parameters():
+            if p.requires_grad:
+                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(3)) * 0.2)
+    model = HeadsForTraining(heads, target.model, "forward_kl", 0.8, 3)
+    terms = []
+    for pack in (False, True):
+        batch = collate(examples, target.tokenizer.pad_token_id, False, pack)
+        view = target_view(target.model, batch, heads.feature_layers, heads.draft_to_target, stats=True)
+        with torch.no_grad():
+            terms.append(model(view, batch))
+    padded, packed = terms
+    assert collate(examples, 0, False, True).input_ids.shape[0] == 3  # packing really shared a row
+    torch.testing.assert_close(packed.loss, padded.loss, rtol=1e-4, atol=1e-5)
+    for a, b in zip(padded.alpha + padded.top1 + padded.rank, packed.alpha + packed.top1 + packed.rank):
+        torch.testing.assert_close(b.float().sort().values, a.float().sort().values, rtol=1e-4, atol=1e-5)
+
+
+def test_the_implied_tau_of_a_chain_and_of_the_best_tree():
+    from pipeline.heads.stage import tree_tau
+
+    chances = [[0.6, 0.2], [0.5, 0.3], [0.5, 0.1]]
+    assert tree_tau([c[:1] for c in chances], 3) == pytest.approx(1 + 0.6 + 0.3 + 0.15)  # the chain
+    # Best-first: 0.6, 0.6*0.5, 0.6*0.3, 0.2, 0.3*0.5 (the next best is 0.2*0.5 = 0.1 < 0.15)
+    assert tree_tau(chances, 5) == pytest.approx(1 + 0.6 + 0.3 + 0.18 + 0.2 + 0.15)
+    assert tree_tau(chances, 100) == pytest.approx(1 + 0.8 + 0.8 * 0.8 + 0.8 * 0.8 * 0.6)  # every node
+    assert tree_tau([], 8) == 1.0
+
+
+def test_the_best_heldout_weights_are_kept_not_the_last(tmp_path):
+    from pipeline.training import Best
+
+    draft = torch.nn.Linear(2, 2)
+    best = Best(tmp_path / "best", "heldout_tau")
+    weights = {}
+    for step, tau in ((0, 1.0), (3, 2.0), (6, 1.5)):
+        with torch.no_grad():
+            draft.weight.fill_(step)
+        weights[step] = draft.weight.clone()
+        best.consider(step, {"heldout_tau": tau, "heldout_alpha": tau / 4}, draft)
+    chosen = best.restore(draft, 6, {"heldout_tau": 1.5})
+    assert chosen["selected_step"] == 3 and chosen["stats"] == {"heldout_tau": 2.0, "heldout_alpha": 0.5}
+    assert torch.equal(draft.weight, weights[3]) and not (tmp_path / "best").exists()
+    best.consider(0, {"heldout_tau": 1.0}, draft)  # a fresh run forgets what an earlier one kept
+    assert best.restore(draft, 6, {"heldout_tau": 1.2})["selected_step"] == 6
