@@ -13,9 +13,10 @@ there is a GPU. Three tables:
   distribution (its draft-vocabulary logits from the cached last hidden state), the heads'
   forward, the loss, backward, the optimizer. `before` is the step as it was: padded rows, fp32,
   the target's full-vocabulary distribution and the acceptance statistics at every step.
-- cache: the feature-cache pass (the frozen target over the data, its hidden states kept):
-  padded batches of --batch-size sequences as before, and rows packed up to --batch-size x
-  --length tokens, longest first (what heads.features=offline runs), fp32 and bf16.
+- cache: the feature-cache pass (the frozen target over the data, its hidden states kept): as
+  before (--batch-size sequences a pass in data order, padding masked), packed rows, and
+  passes of sequences of about one length, right-padded without a mask (what
+  heads.features=offline runs), fp32 and bf16.
 
 The batch's conversations are 1/8 to all of --length tokens long, as chat data is; their second
 half is learned. tokens/s counts real tokens. precision=auto picks bf16 only where this device
@@ -219,6 +220,7 @@ def bench_heads(target, device, args) -> None:
 
 
 def bench_cache(target, device, args) -> None:
+    from pipeline.decode.kv import with_hidden_states
     from pipeline.heads.cache import run_target, token_batches
     from pipeline.heads.models import feature_indices
 
@@ -226,28 +228,36 @@ def bench_cache(target, device, args) -> None:
     layers = sorted(set(feature_indices(model.config, [])) | {model.config.num_hidden_layers})
     examples = [ex for seed in range(3) for ex in chat_batch(args.batch_size, args.length, 49152, seed=10 + seed)]
     tokens = sum(len(ex.input_ids) for ex in examples)
+    order = sorted(examples, key=lambda ex: -len(ex.input_ids))
+    by_length = [[order[i] for i in part] for part in token_batches(
+        list(range(len(order))), [len(ex.input_ids) for ex in order], args.batch_size * args.length)]
 
     def step(setting) -> float:
         layout, precision = setting
-        if layout == "padded":  # as the cache pass was: --batch-size sequences a pass, in data order
-            parts = [examples[i : i + args.batch_size] for i in range(0, len(examples), args.batch_size)]
-        else:
-            order = sorted(examples, key=lambda ex: -len(ex.input_ids))
-            parts = [[order[i] for i in part] for part in token_batches(
-                list(range(len(order))), [len(ex.input_ids) for ex in order], args.batch_size * args.length)]
+        bf16 = precision == "bf16"
         sync(device)
         t0 = time.perf_counter()
-        for part in parts:
-            run_target(model, collate(part, 0, False, pack=layout == "packed").to(device), layers, precision == "bf16")
+        if layout == "before":  # --batch-size sequences a pass in data order, padding masked
+            for i in range(0, len(examples), args.batch_size):
+                batch = collate(examples[i : i + args.batch_size], 0, False).to(device)
+                with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+                    model.get_decoder()(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                                        use_cache=False, **with_hidden_states(layers))
+        else:
+            for part in by_length:
+                run_target(model, collate(part, 0, False, pack=layout == "packed").to(device), layers, bf16)
         sync(device)
         return time.perf_counter() - t0
 
-    settings = [(layout, precision) for layout in ("padded", "packed") for precision in ("fp32", "bf16")]
+    settings = [(layout, precision) for layout in ("before", "packed", "by length") for precision in ("fp32", "bf16")]
     median = alternate(settings, args.reps, step)
     print(f"\nfeature cache pass: {where(device)}, native bf16: {native_bf16(device.type)}, heads.target_bf16=null -> "
-          f"{native_bf16(device.type)}; {len(examples)} conversations, {tokens} tokens, layers {layers}")
-    base = median[("padded", "fp32")]
-    print("| layout | precision | s (median) | tokens/s | vs padded fp32 |")
+          f"{native_bf16(device.type)}; {len(examples)} conversations, {tokens} tokens, layers {layers}; `before`: "
+          f"{args.batch_size} sequences a pass in data order, padding masked; `packed`: longest first, rows shared "
+          f"up to {args.batch_size * args.length} tokens a pass (a mask keeps them apart); `by length`: longest "
+          f"first, right-padded, no mask (what heads.features=offline runs)")
+    base = median[("before", "fp32")]
+    print("| layout | precision | s (median) | tokens/s | vs before fp32 |")
     print("|---|---|---:|---:|---:|")
     for (layout, precision), seconds in median.items():
         print(f"| {layout} | {precision} | {seconds:.3f} | {tokens / seconds:,.0f} | {base / seconds:.2f}x |")

@@ -545,6 +545,10 @@ class HeadsConfig(TrainConfig):
     first), after which a step costs only the heads -- for more than one epoch."""
     cache_shard_size: int = 64
     """Sequences per feature-cache shard (heads.features=offline)."""
+    features_dir: Optional[str] = None
+    """Where the feature caches live (in <features_dir>/features/<key>/); default: the run's
+    heads folder. A cache is keyed by the target, the data and the layers, so runs of the same
+    data (a sweep of settings) can share one folder and cache once."""
     target_bf16: Optional[bool] = None
     """Run the frozen target's forward (its features and distributions) under bfloat16 autocast:
     about twice as fast on a CPU with AVX512-BF16, at bf16 rounding of what the heads learn from.

@@ -319,8 +319,9 @@ def train_steps(training: Training, task: Task) -> tuple[torch.nn.Module, Option
             raise PipelineError(f"{stage}: the loss is {step_loss} at step {step + 1}; lower {stage}.lr "
                                 f"(now {tc.lr}) or check the data; the last good checkpoint is in {work / 'state'}")
         last_loss = step_loss
+        elapsed = time.perf_counter() - t_loop
         record = dict(step=step + 1, loss=step_loss, lr=scheduler.get_last_lr()[0],
-                      tokens_per_s=tokens_seen * world / (time.perf_counter() - t_loop), **drawn)
+                      tokens_per_s=tokens_seen * world / elapsed, train_s=round(elapsed, 2), **drawn)
         if (step + 1) % tc.eval_every == 0 or step + 1 == tc.max_steps:
             record.update(evaluate())
             if main:

@@ -63,8 +63,9 @@ class FeatureCache:
     def build(self, target: torch.nn.Module, examples: list[Example], pad_id: int, batch_tokens: int,
               bf16: bool) -> None:
         """Compute and write every missing shard (the main process only): each shard's sequences
-        longest first, packed into rows of the longest (collate's pack) up to `batch_tokens`
-        tokens a target pass, so no pass computes padding."""
+        longest first, up to `batch_tokens` tokens a target pass, so a pass's rows are of about
+        one length and pad little (right padding, which causal attention needs no mask for:
+        run_target); packed rows would pad nothing but need a mask, and measured slower."""
         from safetensors.torch import save_file
 
         own_dir(self.folder, "features", adopt=lambda folder: (folder / "meta.json").is_file())
@@ -85,7 +86,7 @@ class FeatureCache:
                 chosen = sorted(self.members(shard, len(examples)), key=lambda i: -len(examples[i].input_ids))
                 tensors = {}
                 for part in token_batches(chosen, [len(examples[i].input_ids) for i in chosen], batch_tokens):
-                    batch = collate([examples[i] for i in part], pad_id, False, pack=True).to(device)
+                    batch = collate([examples[i] for i in part], pad_id, False).to(device)
                     hidden = run_target(target, batch, self.layers, bf16)
                     joined = torch.cat([hidden[i] for i in self.layers], dim=-1).to(torch.float16).cpu()
                     for (row, col), i in zip(batch.starts.tolist(), part):
@@ -131,9 +132,13 @@ def token_batches(items: list[int], lengths: list[int], budget: int) -> list[lis
 
 @torch.no_grad()
 def run_target(target: torch.nn.Module, batch: Batch, layers: list[int], bf16: bool) -> dict[int, torch.Tensor]:
-    """The frozen target's hidden states `layers` on a batch, padded or packed (bf16 autocast if asked)."""
+    """The frozen target's hidden states `layers` on a batch, padded or packed (bf16 autocast if
+    asked). Padded rows need no mask: they are padded on the right, and under causal attention
+    no real token sees a later one, so the plain causal kernel serves (it skips the blocks above
+    the diagonal, where one given a mask computes them all); what padding holds is never read."""
+    mask = batch.model_mask() if batch.segments is not None else None
     with torch.autocast(batch.input_ids.device.type, dtype=torch.bfloat16, enabled=bf16):
-        out = target.get_decoder()(input_ids=batch.input_ids, attention_mask=batch.model_mask(),
+        out = target.get_decoder()(input_ids=batch.input_ids, attention_mask=mask,
                                    position_ids=batch.position_ids, use_cache=False, **with_hidden_states(layers))
     dtype = next(target.parameters()).dtype
     return {i: out.hidden_states[i].to(dtype) for i in layers}

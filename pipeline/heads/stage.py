@@ -71,7 +71,8 @@ def heads_dir(cfg: Config, kind: Optional[str] = None) -> Path:
 
 def plan_key(cfg: Config, gen_manifest: dict) -> str:
     settings = dataclasses.asdict(cfg.heads)
-    for free in ("resume", "overwrite", "eval_every", "save_every", "max_eval_sequences", "cache_shard_size"):
+    for free in ("resume", "overwrite", "eval_every", "save_every", "max_eval_sequences", "cache_shard_size",
+                 "features_dir"):
         settings.pop(free)
     key = dict(heads=settings, seed=cfg.seed, data=gen_manifest.get("outputs"),
                target=gen_manifest.get("target_fingerprint"))
@@ -183,7 +184,8 @@ def run(cfg: Config) -> Path:
     if hc.features == "offline":
         layers_needed = target_layers(target_model, layers)
         data_key = json.dumps(training.gen_manifest.get("outputs"), sort_keys=True) + f"/heldout={hc.eval_fraction}"
-        folder, cached = find_cache(stage_dir(cfg.runs_dir, cfg.run, STAGE), training.fingerprint, layers_needed,
+        root = Path(hc.features_dir) if hc.features_dir else stage_dir(cfg.runs_dir, cfg.run, STAGE)
+        folder, cached = find_cache(root, training.fingerprint, layers_needed,
                                     data_key, hc.max_length, hc.target_bf16)
         if cached != layers_needed:
             log.info("heads: layers %s read from the feature cache of layers %s (%s)", layers_needed, cached, folder.name)
@@ -205,13 +207,17 @@ def run(cfg: Config) -> Path:
     # EAGLE's held-out chains go as deep as eval drafts (its trees' depth, a chain of CHAIN).
     depth = max(hc.ttt_steps, CHAIN, cfg.eval.tree_depth) if hc.kind == "eagle" else None
 
+    heldout_views = []  # the target's side of each held-out batch: the same at every evaluation
+
     def evaluate(model) -> dict:
         if not heldout:
             return {}
+        if not heldout_views:
+            for start in range(0, len(heldout), hc.batch_size):
+                batch = collate(heldout[start : start + hc.batch_size], pad_id, False).to(accelerator.device)
+                heldout_views.append((batch, target_view(target_model, batch, layers, vocab_ids, stats=True)))  # fp32
         tally = Tally()
-        for start in range(0, len(heldout), hc.batch_size):
-            batch = collate(heldout[start : start + hc.batch_size], pad_id, False).to(accelerator.device)
-            view = target_view(target_model, batch, layers, vocab_ids, stats=True)  # fp32: as eval sees it
+        for batch, view in heldout_views:
             tally.add(model(view, batch, depth))
         return tally.means(hc.tree_budget, autoregressive=hc.kind != "medusa")
 

@@ -298,3 +298,22 @@ def test_the_best_heldout_weights_are_kept_not_the_last(tmp_path):
     assert torch.equal(draft.weight, weights[3]) and not (tmp_path / "best").exists()
     best.consider(0, {"heldout_tau": 1.0}, draft)  # a fresh run forgets what an earlier one kept
     assert best.restore(draft, 6, {"heldout_tau": 1.2})["selected_step"] == 6
+
+
+def test_right_padded_rows_need_no_mask_under_causal_attention(tiny_target_dir, generated):
+    """run_target drops the padding mask (so the causal kernel can skip what lies above the
+    diagonal): every real token's hidden states are those the masked pass gives."""
+    from pipeline.heads.cache import run_target
+
+    target = load_target(name_or_path=str(tiny_target_dir))
+    examples, _ = load_examples(generated / "h/generate/dataset", 64)
+    batch = collate([examples[0], type(examples[1])("short", examples[1].input_ids[:7], [3])], 0, False)
+    layers = [1, 2]
+    with torch.no_grad():
+        masked = target.model.get_decoder()(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                                            output_hidden_states=True).hidden_states
+    unmasked = run_target(target.model, batch, layers, bf16=False)
+    real = batch.attention_mask.bool()
+    for layer in layers:
+        torch.testing.assert_close(unmasked[layer][real], masked[layer][real], rtol=1e-5, atol=1e-5)
+    assert bool((~real).any())  # the batch had padding
