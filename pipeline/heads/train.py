@@ -124,8 +124,8 @@ def candidate_rank(student: torch.Tensor, token: torch.Tensor, draft_to_target: 
 
 def no_position(terms: Terms, like: torch.Tensor) -> None:
     """A draft position with nothing to measure in this batch (its statistics stay in order)."""
-    for values in (terms.alpha, terms.top1, terms.rank):
-        values.append(like.new_zeros(0))
+    terms.alpha.append(like.new_zeros(0)), terms.top1.append(like.new_zeros(0))
+    terms.rank.append(like.new_zeros(0, dtype=torch.long))
 
 
 def medusa_terms(heads, view: TargetView, batch: Batch, loss: str, decay: float) -> Terms:

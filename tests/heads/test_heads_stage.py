@@ -317,3 +317,21 @@ def test_right_padded_rows_need_no_mask_under_causal_attention(tiny_target_dir, 
     for layer in layers:
         torch.testing.assert_close(unmasked[layer][real], masked[layer][real], rtol=1e-5, atol=1e-5)
     assert bool((~real).any())  # the batch had padding
+
+
+def test_a_draft_position_with_nothing_to_measure_is_tallied_as_nothing():
+    """A batch too short for a later Medusa head adds no statistics for it (the CI failure of
+    heads.max_steps=2 on 4-token answers: bincount of an empty float tensor)."""
+    from pipeline.heads.stage import Tally
+    from pipeline.heads.train import Terms, no_position
+
+    terms = Terms(loss=torch.zeros(()))
+    terms.alpha.append(torch.tensor([0.5, 1.0])), terms.top1.append(torch.tensor([1.0, 0.0]))
+    terms.rank.append(torch.tensor([0, 3]))
+    no_position(terms, torch.zeros(2, 4))
+    tally = Tally()
+    tally.add(terms)
+    tally.add(terms)
+    assert tally.count == [4, 0] and tally.ranks[1].sum() == 0
+    means = tally.means(tree_budget=4, autoregressive=False)
+    assert means["heldout_alpha_by_position"] == [0.75, None] and means["heldout_top1"] == 0.5
