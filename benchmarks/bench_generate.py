@@ -10,16 +10,16 @@ last two rows also keep the target's top-k logits at every generated token (the 
 distillation teacher): read off the logits decoding chose each token from (the stage's way),
 or from a second, teacher-forced pass over the finished answers (its earlier way).
 
-The server rows (generate.backend=server, with top-k) start llama.cpp's OpenAI-compatible
-server (llama-cpp-python[server]) on 127.0.0.1 with the embedded target's own GGUF, which it
-runs quantized (Q4_1) on the same CPU cores, and send the same conversations at concurrency
-1, 8 and 64: a different engine and precision, so the rows compare throughput, not outputs.
+The server rows (generate.backend=server, with top-k) start llama.cpp's llama-server (built by
+`make setup-server`) on 127.0.0.1 with the embedded target's own GGUF, which it runs quantized
+(Q4_1) on the same CPU cores with up to 16 parallel slots, and send the same conversations at
+concurrency 1, 8 and 64: a different engine and precision, so the rows compare throughput, not
+outputs.
 """
 
 from __future__ import annotations
 
 import argparse
-import socket
 import time
 
 import torch
@@ -81,11 +81,7 @@ def ours(target, convs, max_new_tokens: int, batch_size: int, topk: int = 0,
 def served(target, convs, max_new_tokens: int, topk: int, concurrency: list[int]) -> list[tuple[str, int, float]]:
     """The server backend's tokens and seconds at each concurrency, against a llama.cpp server
     started here (and stopped)."""
-    import subprocess
-    import sys
-
-    import httpx
-
+    from pipeline import llama_cpp
     from pipeline.config import ServerConfig
     from pipeline.data.chat import eos_token_ids as eos_of
     from pipeline.data.generate import end_of_turn_id
@@ -93,20 +89,12 @@ def served(target, convs, max_new_tokens: int, topk: int, concurrency: list[int]
     from pipeline.models import EMBEDDED_TARGETS, installed_package_dir
 
     _, import_name, gguf = EMBEDDED_TARGETS["smollm2_135m"]
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "llama_cpp.server", "--model", str(installed_package_dir(import_name) / gguf),
-                             "--n_ctx", "4096", "--n_threads", str(torch.get_num_threads()), "--host", "127.0.0.1",
-                             "--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url, rows = f"http://127.0.0.1:{port}/v1", []
-    try:
-        for _ in range(120):
-            try:
-                httpx.get(f"{url}/models", timeout=2)
-                break
-            except httpx.HTTPError:
-                time.sleep(1)
+    slots = min(max(concurrency), 16)  # requests beyond the server's slots wait in its queue
+    per_slot = 512 + max_new_tokens  # prompts of at most 256 tokens, the chat template, the answer
+    rows = []
+    with llama_cpp.Server(installed_package_dir(import_name) / gguf,
+                          ["-c", str(per_slot * slots), "-np", str(slots), "-t", str(torch.get_num_threads())]) as server:
+        url = server.url
         tok = target.tokenizer
         eos = eos_of(target.generation_config, tok)
         settings = Settings(tokenizer=tok, pieces=Pieces(tok), max_new_tokens=max_new_tokens, temperature=0.0,
@@ -120,9 +108,6 @@ def served(target, convs, max_new_tokens: int, topk: int, concurrency: list[int]
                             lambda index, shard, counts, model: None, probe,
                             progress=lambda turns, n: tokens.__setitem__(0, tokens[0] + n))
             rows.append((f"server (llama.cpp), concurrency {c}", tokens[0], time.perf_counter() - t0))
-    finally:
-        proc.terminate()
-        proc.wait()
     return rows
 
 

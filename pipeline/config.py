@@ -280,6 +280,12 @@ class EvalConfig:
     bundle: Optional[str] = None
     """An exported bundle (stage=export) to measure: checked against its checksums and this
     target's fingerprint, run at its own num_draft_tokens unless eval.num_draft_tokens is set."""
+    engine: Optional[str] = None
+    """llama.cpp: also serve eval.bundle's gguf/ in llama.cpp's llama-server, with and without the
+    draft, on the same prompts (identical tokens, its τ and acceptance, tokens/s, our replay of its
+    answers); written into the report and the bundle's bundle.json (engines)."""
+    engine_repeats: int = 3
+    """Repetitions of every prompt on each llama-server, interleaved; tokens/s are their medians."""
     max_prompts: Optional[int] = None
     """Evaluate only the first N conversations of the data (data.limit also limits generate under stage=all)."""
     ngram: bool = True
@@ -325,7 +331,12 @@ class EvalConfig:
         _check_finite("eval", self)
         if self.num_draft_tokens != "auto" and not (str(self.num_draft_tokens).isdigit() and int(self.num_draft_tokens) > 0):
             raise ValueError(f"eval.num_draft_tokens must be auto or a positive integer, got {self.num_draft_tokens!r}")
-        for name in ("max_new_tokens", "sweep_prompts", "batch_size", "ngram_max", "ngram_min", "max_prompts"):
+        if self.engine is not None:
+            _check_choice("eval.engine", self.engine, ("llama.cpp",))
+            if not self.bundle:
+                raise ValueError("eval.engine=llama.cpp checks an exported bundle: set eval.bundle=<bundle folder>")
+        for name in ("max_new_tokens", "sweep_prompts", "batch_size", "ngram_max", "ngram_min", "max_prompts",
+                     "engine_repeats"):
             _check_positive(f"eval.{name}", getattr(self, name))
         if not self.sweep or min(self.sweep) < 1:
             raise ValueError(f"eval.sweep needs positive values, got {self.sweep}")
@@ -362,9 +373,16 @@ class ExportConfig:
     """What to export, with the numbers eval measured for it: draft_model (runs/<run>/distill),
     trained heads medusa, eagle or early_exit (runs/<run>/heads/<kind>), ngram (prompt lookup:
     settings only), or auto: the fastest lossless one eval measured (its tree, where a tree won)."""
+    gguf: Optional[bool] = None
+    """gguf/ for llama.cpp (the draft converted by llama.cpp's own converter, and its target):
+    null writes it where llama.cpp can run the method and the converter is installed (`make
+    setup-server`), else says why in one line; true requires it; false never writes it."""
+    gguf_outtype: str = "f16"
+    """The converter's --outtype for the draft (and for a target not loaded from a GGUF)."""
 
     def __post_init__(self) -> None:
         _check_choice("export.method", self.method, (*METHODS, "auto"))
+        _check_choice("export.gguf_outtype", self.gguf_outtype, ("f32", "f16", "bf16", "q8_0"))
 
 
 DRAFT_KINDS = ("new", "pretrained")

@@ -347,6 +347,8 @@ def run(cfg: Config) -> Path:
         methods=methods, sweeps=sweeps, hf_methods=hf_methods, costs=costs.report(), by_batch_size=by_batch_size,
         skipped_records=dict(data.skipped),
     )
+    if ev.engine:
+        report["engines"] = {ev.engine: engine_check(cfg, target, convs, results, report, settings)}
     images = write_report(report, out)
 
     tracker = start_tracker(cfg.logger.kind, run_name=cfg.run, stage=STAGE, config=dataclasses.asdict(cfg),
@@ -364,7 +366,30 @@ def run(cfg: Config) -> Path:
                    wall_time_s=time.perf_counter() - t0, inputs=inputs)
     print(f"eval: {len(methods)} methods on {len(convs)} conversations -> {out / 'report.md'}")
     print(_console_table(report))
+    if ev.engine:
+        from pipeline.eval.engine import table
+
+        print(table(report["engines"][ev.engine]))
     return out
+
+
+def engine_check(cfg: Config, target: Target, convs, results: dict[str, Measurement], report: dict,
+                 settings: Settings) -> dict:
+    """eval.engine=llama.cpp: the bundle served by llama.cpp (eval/engine.py) beside our decoder's
+    numbers for it, also recorded in the bundle's bundle.json (engines)."""
+    from pipeline.eval.engine import check_llama_cpp
+    from pipeline.export import load_bundle
+    from pipeline.export.bundle import record_engine
+
+    bundle = load_bundle(cfg.eval.bundle, target)
+    name = next((n for n in (f"{bundle.method}:bundle", bundle.method) if n in report["methods"]), None)
+    plain = results["plain"]
+    ours = dict(tau=report["methods"][name]["tau"] if name else None,
+                plain={tuple(ctx): out for c in convs for ctx, out in zip(plain.contexts[c.id], plain.outputs[c.id])})
+    result = check_llama_cpp(bundle, target, convs, cfg.data.max_turns, cfg.eval.max_new_tokens, settings.eos_ids,
+                             cfg.eval.engine_repeats, ours)
+    record_engine(bundle.path, cfg.eval.engine, result)
+    return result
 
 
 def _console_table(report: dict) -> str:

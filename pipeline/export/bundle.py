@@ -16,6 +16,9 @@ Layout (`runs/<run>/export/` or export.dir):
   eagle3/       (method eagle) the EAGLE-3 layout (LlamaForCausalLMEagle3; export/formats.py)
   speculators/  (method eagle) the same head in vLLM's speculators layout
                 (method ngram) no weights: bundle.json's draft holds ngram_max and ngram_min
+  gguf/         (draft_model, eagle: what llama.cpp runs) the draft converted by llama.cpp's own
+                converter (draft.gguf or eagle3.gguf) and the target GGUF it runs with
+                (target.gguf); bundle.json's llama_cpp gives the llama-server command line
   eval/         the eval report (report.json, report.md) and plots the numbers come from
   README.md     a model card written from the above
   SHA256SUMS    sha256 of every other file, in `sha256sum -c` format
@@ -38,6 +41,7 @@ import torch
 
 from pipeline.config import METHODS
 from pipeline.errors import PipelineError
+from pipeline.files import atomic_write_json, atomic_write_text
 from pipeline.kinds import KINDS, NgramSettings
 from pipeline.models import Target
 from pipeline.runs import sha256_file
@@ -75,7 +79,16 @@ def bundle_files(folder: Path) -> list[str]:
 
 def write_checksums(folder: Path) -> None:
     lines = [f"{sha256_file(folder / rel)}  {rel}\n" for rel in bundle_files(folder)]
-    (folder / CHECKSUMS).write_text("".join(lines))
+    atomic_write_text(folder / CHECKSUMS, "".join(lines))
+
+
+def record_engine(folder: Path, engine: str, result: dict) -> None:
+    """bundle.json's engines.<engine>: what a serving engine measured with this bundle (eval.engine);
+    the checksums are written again after it."""
+    meta = read_bundle_json(folder)
+    meta.setdefault("engines", {})[engine] = result
+    atomic_write_json(folder / BUNDLE_JSON, meta)
+    write_checksums(folder)
 
 
 def check_no_links(folder: Path) -> None:

@@ -47,7 +47,7 @@ def write_medusa(heads, target: torch.nn.Module, base_model: str, folder: Path) 
 #
 # - The EAGLE-3 layout (EAGLE's reference code, SGLang and vLLM read it): `config.json` of a
 #   one-layer Llama with `architectures: ["LlamaForCausalLMEagle3"]`, `draft_vocab_size`,
-#   `target_hidden_size` and `eagle_config.eagle_aux_hidden_state_layer_ids`; weights `fc.weight`,
+#   `target_hidden_size` and `eagle_aux_hidden_state_layer_ids` (at the top and under `eagle_config`); weights `fc.weight`,
 #   `midlayer.*` (the decoder layer, with `hidden_norm` and 2H-input q/k/v), `norm.weight`,
 #   `lm_head.weight` (draft-vocabulary rows), `d2t` (draft id -> target id offset:
 #   target = draft + d2t[draft]) and `t2d` (a bool mask of the target ids in the draft
@@ -108,8 +108,11 @@ def write_eagle3(head, target: torch.nn.Module, folder: Path) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     save_file(eagle3_tensors(head), str(folder / "model.safetensors"))
     config = _layer_config(head, target)
+    # The layer ids at both levels: EAGLE's code, SGLang and vLLM read them under eagle_config,
+    # llama.cpp's converter only at the top (without them it takes layers [2, n/2, n-3]).
     config.update(architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=len(head.draft_to_target),
                   target_hidden_size=target.config.hidden_size,
+                  eagle_aux_hidden_state_layer_ids=list(head.feature_layers),
                   eagle_config=dict(eagle_aux_hidden_state_layer_ids=list(head.feature_layers),
                                     use_aux_hidden_state=True))
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")

@@ -157,6 +157,14 @@ def _use_lines(meta: dict) -> list[str]:
     return lines
 
 
+def _llama_cpp_lines(meta: dict) -> list[str]:
+    engine = meta.get("llama_cpp") or {}
+    if engine.get("command"):
+        return [f"- llama.cpp: `{engine['command']}` (from this folder; `{engine['draft']}` converted by llama.cpp's "
+                f"own converter at {engine['outtype']}, `{engine['target']}` {engine['target_from']})."]
+    return [f"- llama.cpp: no `gguf/`: {engine['skipped']}."] if engine.get("skipped") else []
+
+
 def _training_lines(meta: dict) -> list[str]:
     training = meta["training"]
     if training is None:
@@ -202,6 +210,7 @@ def model_card(meta: dict) -> str:
         "## Use",
         "",
         *_use_lines(meta),
+        *_llama_cpp_lines(meta),
         f"- `{CHECKSUMS}`: `sha256sum -c {CHECKSUMS}` checks every file.",
         "",
     ])
@@ -239,7 +248,7 @@ def run(cfg: Config) -> Path:
     eval_manifest = read_manifest(eval_dir, "eval", cfg.run)
     report = json.loads((eval_dir / "report.json").read_text())
     name = choose_method(report, eval_dir, cfg.export.method)
-    kind, _ = kind_of_method(name)
+    kind, tree = kind_of_method(name)
     provenance = {"eval": manifest_sha(eval_dir)}
     train_dir, train_manifest = None, None
     if kind.trained_by is not None:
@@ -266,7 +275,7 @@ def run(cfg: Config) -> Path:
 
     out = bundle_dir(cfg)
     with atomic_dir(out, "bundle", hint="choose another export.dir=<folder>", adopt=is_bundle) as tmp:
-        write_draft(kind, train_dir, tmp, cfg, meta)
+        write_draft(kind, tree, train_dir, tmp, cfg, meta)
         (tmp / "eval").mkdir()
         for f in sorted(eval_dir.iterdir()):
             if f.is_file() and (f.suffix == ".png" or f.name in ("report.json", "report.md")):
@@ -276,6 +285,11 @@ def run(cfg: Config) -> Path:
         write_checksums(tmp)
     log.info("export: bundle written in %.1fs", time.perf_counter() - t0)
     print(f"export: bundle -> {out}")
+    engine = meta.get("llama_cpp") or {}
+    if engine.get("command"):
+        print(f"  llama.cpp: {engine['command']}")
+    elif engine.get("skipped"):
+        print(f"  llama.cpp: no gguf/ ({engine['skipped']})")
     if cfg.export.method == "auto":
         print(methods_table(report, name))
     else:
@@ -286,23 +300,49 @@ def run(cfg: Config) -> Path:
     return out
 
 
-def write_draft(kind: Kind, train_dir: Optional[Path], folder: Path, cfg: Config, meta: dict) -> None:
-    """The draft's own files in the bundle folder, and the engine layouts its kind writes."""
+def write_draft(kind: Kind, tree: bool, train_dir: Optional[Path], folder: Path, cfg: Config, meta: dict) -> None:
+    """The draft's own files in the bundle folder, the engine layouts its kind writes, and gguf/
+    for llama.cpp where it runs the method (export.gguf)."""
+    from pipeline import llama_cpp
+    from pipeline.export import gguf
+    from pipeline.models import EMBEDDED_TARGETS, load_target
+
     if kind.trained_by == "distill":
         shutil.copytree(train_dir / kind.weights, folder / kind.bundle_folder, ignore=shutil.ignore_patterns(MARKER))
     elif kind.trained_by == "heads":
         (folder / kind.bundle_folder).mkdir()
         for f in ("heads.safetensors", "heads_config.json"):
             shutil.copy2(train_dir / f, folder / kind.bundle_folder / f)
+    target = module = None
     if kind.formats is not None:
-        from pipeline.models import EMBEDDED_TARGETS, load_target
-
         target = load_target(**dataclasses.asdict(cfg.target))
         module = kind.load(train_dir / kind.weights, target)
         # What a serving stack loads as the base model: an embedded target is the HF folder
         # converted from its GGUF (dequantized weights: not the hub model of the same name).
         base = str(target.folder) if target.name in EMBEDDED_TARGETS else target.name
         meta["formats"].update(kind.formats(module, target, base, meta["num_draft_tokens"], folder))
+    if cfg.export.gguf is False:
+        return
+    if target is None and kind.trained_by is not None:
+        target = load_target(**dataclasses.asdict(cfg.target), weights=False)
+    reason = gguf.why_not(kind.name, tree, module, target.model.config if target and target.model else None)
+    if reason is None and llama_cpp.source() is None and cfg.export.gguf is None:
+        reason = "llama.cpp's converter is not installed (`make setup-server` unpacks it)"
+    if reason is None:
+        source = folder / (kind.bundle_folder if kind.trained_by == "distill" else meta["formats"]["eagle3"])
+        try:
+            meta["llama_cpp"] = gguf.write_gguf(kind.name, folder, source, target,
+                                                gguf.source_gguf(cfg.target.name_or_path, cfg.target.gguf_file),
+                                                cfg.export.gguf_outtype, meta["num_draft_tokens"])
+            meta["formats"]["gguf"] = gguf.GGUF_DIR
+            return
+        except PipelineError as e:
+            shutil.rmtree(folder / gguf.GGUF_DIR, ignore_errors=True)
+            reason = str(e)
+    if cfg.export.gguf:
+        raise PipelineError(f"export.gguf=true: {reason}")
+    log.warning("export: no gguf/ for llama.cpp: %s", reason)
+    meta["llama_cpp"] = dict(skipped=reason)
 
 
 def methods_table(report: dict, exported: str) -> str:

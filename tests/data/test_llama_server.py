@@ -1,19 +1,16 @@
-"""generate.backend=server against a real serving engine: llama.cpp's OpenAI-compatible server
-(llama-cpp-python[server], which `make setup` builds) serving the embedded target's own GGUF on
-127.0.0.1; then distill, heads and eval train on and measure the dataset it wrote."""
+"""generate.backend=server against a real serving engine: llama.cpp's own llama-server (which
+`make setup-server` builds) serving the embedded target's own GGUF on 127.0.0.1; then distill,
+heads and eval train on and measure the dataset it wrote."""
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import datasets
 import pytest
 
-from conftest import free_port, run_cli
+from conftest import run_cli
+from pipeline import llama_cpp
 from pipeline.models import EMBEDDED_TARGETS, installed_package_dir
 from pipeline.runs import MANIFEST
 
@@ -21,35 +18,12 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def llama_server(tmp_path_factory):
-    import importlib.util
-
-    import httpx
-
-    if importlib.util.find_spec("llama_cpp") is None:
-        pytest.fail("llama.cpp's server (llama-cpp-python[server]) is not installed: `make setup-server` builds it "
-                    "(`make test` does)")
+def llama_server():
+    if llama_cpp.server_binary() is None:
+        pytest.fail("llama.cpp's llama-server is not installed: `make setup-server` builds it (`make test` does)")
     package, import_name, gguf = EMBEDDED_TARGETS["smollm2_135m"]
-    model = installed_package_dir(import_name) / gguf
-    port = free_port()
-    log = open(tmp_path_factory.mktemp("llama") / "server.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "llama_cpp.server", "--model", str(model), "--n_ctx", "2048",
-                             "--host", "127.0.0.1", "--port", str(port)], stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}/v1"
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, Path(log.name).read_text()[-3000:]
-        try:
-            if httpx.get(f"{url}/models", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.5)
-    else:
-        proc.kill()
-        pytest.fail("llama.cpp server did not start: " + Path(log.name).read_text()[-3000:])
-    yield url
-    proc.terminate()
-    proc.wait(timeout=30)
+    with llama_cpp.Server(installed_package_dir(import_name) / gguf, ["-c", "8192", "-np", "4"]) as server:
+        yield server.url
 
 
 def test_generate_through_llama_cpp_then_distill_heads_and_eval(llama_server, tmp_path):

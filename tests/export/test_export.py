@@ -283,7 +283,7 @@ def test_heads_export_eagle3_and_speculators_formats(tiny_target_dir, tmp_path):
     e3 = json.loads((out / "eagle3/config.json").read_text())
     assert e3["architectures"] == ["LlamaForCausalLMEagle3"] and e3["num_hidden_layers"] == 1
     assert e3["draft_vocab_size"] == 48 and e3["vocab_size"] == vocab and e3["target_hidden_size"] == hidden
-    assert e3["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == layers
+    assert e3["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == e3["eagle_aux_hidden_state_layer_ids"] == layers
     sp = json.loads((out / "speculators/config.json").read_text())
     assert sp["speculators_model_type"] == "eagle3" and sp["architectures"] == ["Eagle3Speculator"]
     assert sp["draft_vocab_size"] == 48 and sp["eagle_aux_hidden_state_layer_ids"] == layers
