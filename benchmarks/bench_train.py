@@ -108,11 +108,7 @@ def bench_distill(target, device, args) -> None:
     print(f"\ndistill: {where(device)}, native bf16: {native_bf16(device.type)}, distill.precision=auto -> "
           f"{resolve_precision('auto', device.type)}; {args.batch_size} conversations, {tokens} tokens "
           f"(padded {rows['padded'][0]} x {rows['padded'][1]}, packed {rows['packed'][0]} x {rows['packed'][1]})")
-    base = median[("padded", "fp32")]
-    print("| layout | precision | s/step (median) | tokens/s | vs padded fp32 |")
-    print("|---|---|---:|---:|---:|")
-    for (layout, precision), seconds in median.items():
-        print(f"| {layout} | {precision} | {seconds:.3f} | {tokens / seconds:,.0f} | {base / seconds:.2f}x |")
+    print_table(median, tokens, ("padded", "fp32"), "s/step (median)")
 
 
 class Split:
@@ -256,8 +252,13 @@ def bench_cache(target, device, args) -> None:
           f"{args.batch_size} sequences a pass in data order, padding masked; `packed`: longest first, rows shared "
           f"up to {args.batch_size * args.length} tokens a pass (a mask keeps them apart); `by length`: longest "
           f"first, right-padded, no mask (what heads.features=offline runs)")
-    base = median[("before", "fp32")]
-    print("| layout | precision | s (median) | tokens/s | vs before fp32 |")
+    print_table(median, tokens, ("before", "fp32"), "s (median)")
+
+
+def print_table(median: dict, tokens: int, base_key: tuple[str, str], seconds_label: str) -> None:
+    """A markdown table of (layout, precision) -> median seconds, as tokens/s and against `base_key`."""
+    base = median[base_key]
+    print(f"| layout | precision | {seconds_label} | tokens/s | vs {' '.join(base_key)} |")
     print("|---|---|---:|---:|---:|")
     for (layout, precision), seconds in median.items():
         print(f"| {layout} | {precision} | {seconds:.3f} | {tokens / seconds:,.0f} | {base / seconds:.2f}x |")

@@ -29,13 +29,14 @@ from pathlib import Path
 from typing import Optional
 
 import torch
+from tqdm.auto import tqdm
 
 from pipeline import llama_cpp
 from pipeline.data.chat import first_prompt_ids, next_turn_ids
 from pipeline.errors import PipelineError
+from pipeline.export.gguf import SPEC_FLAGS
 
 log = logging.getLogger(__name__)
-ENGINES = ("llama.cpp",)
 
 
 @dataclass
@@ -83,7 +84,7 @@ def replay_chain(draft: torch.nn.Module, context: list[int], answer: list[int], 
         n = min(k, max_new_tokens - p - 1)
         if n <= 0:
             break
-        out = draft(torch.tensor([context + answer[:p]], device=device), use_cache=True)
+        out = draft(torch.tensor([context + answer[:p]], device=device), use_cache=True, logits_to_keep=1)
         proposal = [int(out.logits[0, -1].argmax())]
         while len(proposal) < n:
             out = draft(torch.tensor([[proposal[-1]]], device=device), past_key_values=out.past_key_values,
@@ -112,10 +113,13 @@ def check_llama_cpp(bundle, target, convs, max_turns: Optional[int], max_new_tok
     longest = max(len(first_prompt_ids(tok, c)) for c in convs)
     ctx = str(max(4096, 2 * (longest + max_new_tokens * (max_turns or 4)) + 512))
     threads = ["-t", str(torch.get_num_threads()), "-c", ctx, "-np", "1", "--no-warmup"]
-    spec = ["-md", str(folder / engine["draft"]), "--spec-type", engine["spec_type"], "--spec-draft-n-max", str(k)]
+    spec = ["-md", str(folder / engine["draft"]), "--spec-type", engine["spec_type"], "--spec-draft-n-max", str(k),
+            *SPEC_FLAGS]
     turns: list[Turn] = []
+    total = sum(min(len(c.user_turns), max_turns or len(c.user_turns)) for c in convs)
     with llama_cpp.Server(folder / engine["target"], threads) as plain, \
-            llama_cpp.Server(folder / engine["target"], threads + spec) as drafted:
+            llama_cpp.Server(folder / engine["target"], threads + spec) as drafted, \
+            tqdm(total=total, desc="llama.cpp", unit="turn", dynamic_ncols=True) as bar:
         servers = {"plain": plain, "draft": drafted}
         for conv in convs:
             answers: list[str] = []
@@ -141,6 +145,7 @@ def check_llama_cpp(bundle, target, convs, max_turns: Optional[int], max_new_tok
                                 turn.accepted = int(timings.get("draft_n_accepted", 0))
                 answers.append(tok.decode(turn.tokens["plain"], skip_special_tokens=True))
                 turns.append(turn)
+                bar.update(1)
     return summarize(turns, bundle, k, max_new_tokens, ours, eos_ids)
 
 

@@ -31,6 +31,10 @@ GGUF_DIR = "gguf"
 SPEC_TYPES = {"draft_model": "draft-simple", "eagle": "draft-eagle3"}
 DRAFT_FILES = {"draft_model": "draft.gguf", "eagle": "eagle3.gguf"}
 TARGET_FILE = "target.gguf"
+SPEC_FLAGS = ("--poll", "0", "--spec-draft-poll", "0")
+"""The threads of the target and of the draft sleep when idle instead of spinning on the same
+cores: on 2 cores the embedded target with the demo's draft ran at 6.6 tokens/s without them,
+38 with them."""
 
 
 def why_not(kind: str, tree: bool, module, target_config) -> Optional[str]:
@@ -97,7 +101,7 @@ def write_gguf(kind: str, folder: Path, draft_dir: Path, target, target_gguf: Op
         convert(target.folder, out / TARGET_FILE, outtype)
         target_from = f"the target's folder converted at {outtype}"
     command = (f"llama-server -m {GGUF_DIR}/{TARGET_FILE} -md {GGUF_DIR}/{draft_file.name} "
-               f"--spec-type {SPEC_TYPES[kind]} --spec-draft-n-max {num_draft_tokens}")
+               f"--spec-type {SPEC_TYPES[kind]} --spec-draft-n-max {num_draft_tokens} {' '.join(SPEC_FLAGS)}")
     return dict(folder=GGUF_DIR, draft=f"{GGUF_DIR}/{draft_file.name}", target=f"{GGUF_DIR}/{TARGET_FILE}",
                 target_from=target_from, outtype=outtype, spec_type=SPEC_TYPES[kind],
                 num_draft_tokens=num_draft_tokens, command=command)

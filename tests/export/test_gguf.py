@@ -85,7 +85,7 @@ def test_a_draft_model_bundle_holds_the_llama_cpp_files_and_says_how_to_run_them
     engine = meta["llama_cpp"]
     assert meta["formats"]["gguf"] == "gguf" and engine["spec_type"] == "draft-simple"
     assert engine["command"] == ("llama-server -m gguf/target.gguf -md gguf/draft.gguf --spec-type draft-simple "
-                                 "--spec-draft-n-max 2")
+                                 "--spec-draft-n-max 2 --poll 0 --spec-draft-poll 0")
     assert engine["command"] in capsys.readouterr().out and engine["command"] in (out / "README.md").read_text()
     sums = (out / "SHA256SUMS").read_text()
     assert "gguf/draft.gguf" in sums and "gguf/target.gguf" in sums
@@ -135,3 +135,26 @@ def test_a_conversion_that_fails_is_one_line(tmp_path):
     with pytest.raises(PipelineError, match=r"^llama.cpp's converter failed on .*byte: .+") as e:
         gguf.convert(folder, tmp_path / "x.gguf", "f16")
     assert "\n" not in str(e.value) and not (tmp_path / "x.gguf").exists()
+
+
+def test_llama_server_runs_the_exported_eagle_head_losslessly(draft_bundle, smol_target_dir, tmp_path):
+    """EAGLE-3 in llama.cpp (--spec-type draft-eagle3 over the three layers the head was trained on)."""
+    if llama_cpp.server_binary() is None:
+        pytest.fail("llama.cpp's llama-server is not installed: `make setup-server` builds it (`make test` does)")
+    from pipeline.heads import stage as heads_stage
+
+    root, base, prompts = draft_bundle
+    heads_stage.run(compose_config(*base, "heads=eagle", "heads.feature_layers=[0,1,2]", "heads.draft_vocab_size=256",
+                                   "heads.batch_size=2", "heads.max_steps=2", stage="heads"))
+    common = ["data=file", f"data.path={prompts}", "eval.max_new_tokens=16", "eval.ngram=false", "eval.trees=false",
+              "eval.sweep=[2]"]
+    evaluation.run(compose_config(*base, *common, stage="eval"))
+    out = export.run(compose_config(*base, "export.method=eagle", f"export.dir={tmp_path / 'e'}", stage="export"))
+    engine = json.loads((out / "bundle.json").read_text())["llama_cpp"]
+    assert engine["spec_type"] == "draft-eagle3" and engine["draft"] == "gguf/eagle3.gguf"
+    assert field(read_gguf(out / "gguf/eagle3.gguf"), "eagle3.target_layers") == [1, 2, 3]
+    evaluation.run(compose_config(*base, *common, f"eval.bundle={out}", "eval.engine=llama.cpp",
+                                  "eval.engine_repeats=1", stage="eval"))
+    checked = json.loads((root / "g/eval/report.json").read_text())["engines"]["llama.cpp"]
+    assert checked["outputs_differ"] == 0, checked["divergences"]
+    assert checked["draft_n"] > 0 and checked["turns"] == 6
