@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from pipeline.errors import PipelineError
+from pipeline.files import remove, temp_file
 
 SOURCE_ENV = "SPECDRAFT_LLAMA_CPP"
 SERVER_ENV = "SPECDRAFT_LLAMA_SERVER"
@@ -77,7 +78,8 @@ class Server:
         self.cmd = [str(self.binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(self.port), *args]
         self.startup_s = startup_s
         self.proc: Optional[subprocess.Popen] = None
-        self.log = tempfile.NamedTemporaryFile("w+", prefix="llama-server-", suffix=".log", delete=False)
+        self.log_path = temp_file(Path(tempfile.gettempdir()), "llama-server-", ".log")
+        self.log = open(self.log_path, "w")
 
     def __enter__(self) -> "Server":
         import httpx
@@ -112,7 +114,7 @@ class Server:
         return self.proc is not None and self.proc.poll() is None
 
     def read_log(self) -> str:
-        return Path(self.log.name).read_text(errors="replace")
+        return self.log_path.read_text(errors="replace")
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -123,4 +125,4 @@ class Server:
                 self.proc.kill()
                 self.proc.wait()
         self.log.close()
-        Path(self.log.name).unlink(missing_ok=True)
+        remove(self.log_path)

@@ -22,7 +22,7 @@ from typing import Any, Optional
 from pipeline.config import TIMING_NOISE, Config
 from pipeline.errors import PipelineError
 from pipeline.export.bundle import BUNDLE_JSON, CHECKSUMS, FORMAT_VERSION, write_checksums
-from pipeline.files import MARKER, atomic_dir
+from pipeline.files import MARKER, atomic_dir, remove
 from pipeline.kinds import KINDS, Kind, kind_of_method
 from pipeline.runs import (
     check_consumed, check_trained, manifest_sha, package_versions, read_manifest, run_dir, stage_dir,
@@ -337,7 +337,7 @@ def write_draft(kind: Kind, tree: bool, train_dir: Optional[Path], folder: Path,
             meta["formats"]["gguf"] = gguf.GGUF_DIR
             return
         except PipelineError as e:
-            shutil.rmtree(folder / gguf.GGUF_DIR, ignore_errors=True)
+            remove(folder / gguf.GGUF_DIR)
             reason = str(e)
     if cfg.export.gguf:
         raise PipelineError(f"export.gguf=true: {reason}")
