@@ -105,7 +105,7 @@ def served(target, convs, max_new_tokens: int, topk: int, concurrency: list[int]
             tokens = [0]
             t0 = time.perf_counter()
             generate_shards(ServerConfig(urls=[url], concurrency=c), {0: convs}, settings,
-                            lambda index, shard, counts, model: None, probe,
+                            lambda index, shard, counts, failed, model: None, probe,
                             progress=lambda turns, n: tokens.__setitem__(0, tokens[0] + n))
             rows.append((f"server (llama.cpp), concurrency {c}", tokens[0], time.perf_counter() - t0))
     return rows
