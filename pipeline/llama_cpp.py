@@ -38,7 +38,8 @@ def server_binary() -> Optional[Path]:
     """The llama-server to start: $SPECDRAFT_LLAMA_SERVER, the venv's, or one on PATH."""
     configured = os.environ.get(SERVER_ENV)
     if configured:
-        return Path(configured).expanduser() if Path(configured).expanduser().is_file() else None
+        path = Path(configured).expanduser()
+        return path if path.is_file() else None
     ours = Path(sys.prefix) / "bin" / "llama-server"
     if ours.is_file():
         return ours

@@ -34,6 +34,7 @@ from tqdm.auto import tqdm
 from pipeline import llama_cpp
 from pipeline.data.chat import first_prompt_ids, next_turn_ids
 from pipeline.errors import PipelineError
+from pipeline.eval.measure import first_divergence
 from pipeline.export.gguf import SPEC_FLAGS
 
 log = logging.getLogger(__name__)
@@ -62,13 +63,6 @@ def complete(server: llama_cpp.Server, ids: list[int], max_new_tokens: int) -> d
     if "error" in answer or "tokens" not in answer:
         raise PipelineError(f"llama-server refused a prompt: {str(answer.get('error', answer))[:300]}")
     return answer
-
-
-def first_divergence(a: list[int], b: list[int]) -> Optional[int]:
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
 
 
 @torch.no_grad()

@@ -261,6 +261,13 @@ def tie_epsilon(dtype: torch.dtype) -> float:
     return {torch.bfloat16: 0.25, torch.float16: 0.05}.get(dtype, 1e-4)
 
 
+def first_divergence(a: list[int], b: list[int]) -> Optional[int]:
+    """The first position where two token lists differ (the shorter one's length where one is a
+    prefix of the other); None where they are equal."""
+    i = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), None)
+    return i if i is not None else None if len(a) == len(b) else min(len(a), len(b))
+
+
 @torch.inference_mode()
 def greedy_divergences(model, reference: Measurement, other: Measurement,
                        epsilon: Optional[float] = None) -> list[Divergence]:
@@ -274,7 +281,7 @@ def greedy_divergences(model, reference: Measurement, other: Measurement,
         for turn, (want, got) in enumerate(zip(turns, other.outputs[conv])):
             if want == got:
                 continue
-            i = next((j for j, (a, b) in enumerate(zip(want, got)) if a != b), min(len(want), len(got)))
+            i = first_divergence(want, got)
             context = reference.contexts[conv][turn] + want[:i]
             logits = model(torch.tensor([context], device=next(model.parameters()).device)).logits[0, -1]
             top2 = logits.float().topk(2).values

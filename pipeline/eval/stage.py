@@ -378,9 +378,10 @@ def engine_check(cfg: Config, target: Target, convs, results: dict[str, Measurem
     """eval.engine=llama.cpp: the bundle served by llama.cpp (eval/engine.py) beside our decoder's
     numbers for it, also recorded in the bundle's bundle.json (engines)."""
     from pipeline.eval.engine import check_llama_cpp
-    from pipeline.export import load_bundle
-    from pipeline.export.bundle import record_engine
+    from pipeline.export.bundle import load_bundle, record_engine
 
+    # Loaded again: find_drafts' copy of the draft was prepared for our decoder (int8, the CPU
+    # layout); the replay runs it as the engine does, from its own weights.
     bundle = load_bundle(cfg.eval.bundle, target)
     name = next((n for n in (f"{bundle.method}:bundle", bundle.method) if n in report["methods"]), None)
     plain = results["plain"]

@@ -22,6 +22,7 @@ from typing import Any, Optional
 from pipeline.config import TIMING_NOISE, Config
 from pipeline.errors import PipelineError
 from pipeline.export.bundle import BUNDLE_JSON, CHECKSUMS, FORMAT_VERSION, write_checksums
+from pipeline.export.gguf import GGUF_DIR, source_gguf, why_not, write_gguf
 from pipeline.files import MARKER, atomic_dir, remove
 from pipeline.kinds import KINDS, Kind, kind_of_method
 from pipeline.runs import (
@@ -303,8 +304,6 @@ def run(cfg: Config) -> Path:
 def write_draft(kind: Kind, tree: bool, train_dir: Optional[Path], folder: Path, cfg: Config, meta: dict) -> None:
     """The draft's own files in the bundle folder, the engine layouts its kind writes, and gguf/
     for llama.cpp where it runs the method (export.gguf)."""
-    from pipeline import llama_cpp
-    from pipeline.export import gguf
     from pipeline.models import EMBEDDED_TARGETS, load_target
 
     if kind.trained_by == "distill":
@@ -325,24 +324,21 @@ def write_draft(kind: Kind, tree: bool, train_dir: Optional[Path], folder: Path,
         return
     if target is None and kind.trained_by is not None:
         target = load_target(**dataclasses.asdict(cfg.target), weights=False)
-    reason = gguf.why_not(kind.name, tree, module, target.model.config if target and target.model else None)
-    if reason is None and llama_cpp.source() is None and cfg.export.gguf is None:
-        reason = "llama.cpp's converter is not installed (`make setup-server` unpacks it)"
+    reason = why_not(kind.name, tree, module, target.model.config if target and target.model else None)
     if reason is None:
         source = folder / (kind.bundle_folder if kind.trained_by == "distill" else meta["formats"]["eagle3"])
         try:
-            meta["llama_cpp"] = gguf.write_gguf(kind.name, folder, source, target,
-                                                gguf.source_gguf(cfg.target.name_or_path, cfg.target.gguf_file),
-                                                cfg.export.gguf_outtype, meta["num_draft_tokens"])
-            meta["formats"]["gguf"] = gguf.GGUF_DIR
+            meta["llama_cpp"] = write_gguf(kind.name, folder, source, target,
+                                           source_gguf(cfg.target.name_or_path, cfg.target.gguf_file),
+                                           cfg.export.gguf_outtype, meta["num_draft_tokens"])
+            meta["formats"]["gguf"] = GGUF_DIR
             return
         except PipelineError as e:
-            remove(folder / gguf.GGUF_DIR)
+            remove(folder / GGUF_DIR)
             reason = str(e)
     if cfg.export.gguf:
         raise PipelineError(f"export.gguf=true: {reason}")
-    log.warning("export: no gguf/ for llama.cpp: %s", reason)
-    meta["llama_cpp"] = dict(skipped=reason)
+    meta["llama_cpp"] = dict(skipped=reason)  # run() prints it
 
 
 def methods_table(report: dict, exported: str) -> str:
