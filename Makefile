@@ -25,8 +25,8 @@ $(VENV)/.installed: pyproject.toml
 # llama.cpp, the engine CPU users deploy (pipeline/llama_cpp.py): the source that llama-cpp-python
 # vendors (one pinned release, from PyPI's sdist) unpacked into $(VENV)/llama.cpp, whose converter
 # writes export's gguf/, and its C++ llama-server built into $(VENV)/bin, which the server
-# backend's tests, `make bench-generate` and the bundle checks start on 127.0.0.1. `make test`
-# builds it, `make demo` needs it not. The build (about 10 minutes on 2 cores) is cached per
+# backend's tests, `make bench-generate`, the bundle checks and `make demo` start on 127.0.0.1.
+# `make test` and `make demo` build it. The build (about 10 minutes on 2 cores) is cached per
 # machine under $(LLAMA_CACHE), keyed by the release and the flags: for any x86-64 with AVX2,
 # without the AMX kernels (they crash on some Xeons), statically linked.
 setup-server: $(VENV)/bin/llama-server
@@ -57,8 +57,9 @@ LLAMA_CMAKE_ARGS := -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF -DGGML_NA
 	-DGGML_OPENMP=OFF -DGGML_CCACHE=OFF -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF \
 	-DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF
 
-demo: setup
-	$(PY) -m pipeline stage=all experiment=demo $(ARGS)
+# The demo ends in llama.cpp: its exported draft served by llama-server beside our decoder's numbers.
+demo: setup setup-server
+	$(PY) -m pipeline stage=all experiment=demo eval.engine=llama.cpp $(ARGS)
 
 test: setup setup-server
 	$(PY) -m pytest -q

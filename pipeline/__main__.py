@@ -7,6 +7,7 @@ import importlib
 import logging
 import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -69,6 +70,9 @@ def run_stages(cfg: Config) -> None:
 
         overrides = [o for o in HydraConfig.get().overrides.task if not o.startswith("stage=")]
         names, overrides = all_stages(cfg.export.method, overrides)
+        if cfg.eval.engine:  # the run's eval measures the run; the engine checks the bundle after export
+            check_engine(cfg.eval.engine, cfg.export.method, cfg.export.gguf)
+            overrides = [*overrides, "eval.engine=null"]
         configs = [(name, to_config(compose("config", overrides=[f"stage={name}", *overrides]))) for name in names]
     elif cfg.stage in STAGES:
         configs = [(cfg.stage, cfg)]
@@ -79,6 +83,27 @@ def run_stages(cfg: Config) -> None:
             log.info("stage %s, run %s", name, stage_cfg.run)
             out = STAGES[name](stage_cfg)
             log.info("stage %s finished: %s", name, out)
+        if cfg.stage == "all" and cfg.eval.engine:
+            evaluated = dict(configs)["eval"]
+            check = replace(evaluated, eval=replace(evaluated.eval, engine=cfg.eval.engine, bundle=str(out)))
+            log.info("stage eval, run %s: the bundle %s in %s", check.run, out, cfg.eval.engine)
+            STAGES["eval"](check)
+
+
+def check_engine(engine: str, method: str, gguf: Optional[bool]) -> None:
+    """stage=all with eval.engine: the engine is there and runs the method, before hours of
+    generating and training."""
+    from pipeline import llama_cpp
+    from pipeline.export.gguf import SPEC_TYPES
+
+    if method not in SPEC_TYPES:
+        fail(f"eval.engine={engine} checks the exported draft in llama.cpp, which runs export.method="
+             f"{'|'.join(SPEC_TYPES)}, not {method}", code=2)
+    if gguf is False:
+        fail(f"eval.engine={engine} serves the bundle's gguf/, which export.gguf=false leaves out", code=2)
+    if llama_cpp.server_binary() is None or llama_cpp.source() is None:
+        fail(f"eval.engine={engine} serves the exported bundle in llama.cpp's llama-server, which is not built: "
+             "`make setup-server` builds it (or set eval.engine=null)")
 
 
 def run_lock(cfg: Config):

@@ -281,9 +281,12 @@ class EvalConfig:
     """An exported bundle (stage=export) to measure: checked against its checksums and this
     target's fingerprint, run at its own num_draft_tokens unless eval.num_draft_tokens is set."""
     engine: Optional[str] = None
-    """llama.cpp: also serve eval.bundle's gguf/ in llama.cpp's llama-server, with and without the
-    draft, on the same prompts (identical tokens, its τ and acceptance, tokens/s, our replay of its
-    answers); written into the report and the bundle's bundle.json (engines)."""
+    """llama.cpp: check eval.bundle in llama.cpp: our decoder measures plain decoding and the
+    bundle's draft at its k (nothing else), and llama.cpp's llama-server serves the bundle's gguf/
+    with and without the draft on the same prompts (identical tokens, its τ and acceptance,
+    tokens/s, our replay of its answers); written into `<run>/eval-llama.cpp/` (the run's own
+    eval stays as it is) and the bundle's bundle.json (engines). Under stage=all, the bundle
+    the run exports is checked after export."""
     engine_repeats: int = 3
     """Repetitions of every prompt on each llama-server, interleaved; tokens/s are their medians."""
     max_prompts: Optional[int] = None
@@ -333,8 +336,6 @@ class EvalConfig:
             raise ValueError(f"eval.num_draft_tokens must be auto or a positive integer, got {self.num_draft_tokens!r}")
         if self.engine is not None:
             _check_choice("eval.engine", self.engine, ("llama.cpp",))
-            if not self.bundle:
-                raise ValueError("eval.engine=llama.cpp checks an exported bundle: set eval.bundle=<bundle folder>")
         for name in ("max_new_tokens", "sweep_prompts", "batch_size", "ngram_max", "ngram_min", "max_prompts",
                      "engine_repeats"):
             _check_positive(f"eval.{name}", getattr(self, name))
@@ -623,6 +624,9 @@ class Config:
 
     def __post_init__(self) -> None:
         check_run_name(self.run)
+        if self.stage == "eval" and self.eval.engine and not self.eval.bundle:
+            raise ValueError(f"eval.engine={self.eval.engine} checks an exported bundle: set eval.bundle=<bundle "
+                             "folder> (stage=all checks the bundle it exports)")
         if not self.runs_dir.strip():
             raise ValueError("runs_dir must name a folder")
 

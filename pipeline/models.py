@@ -126,9 +126,11 @@ def convert_gguf(src_dir: Path, gguf_file: str, out_dir: Path) -> None:
 
 
 def own_cache(root: Path) -> Path:
-    """The cache folder, ours (a cache from before markers holds targets/ or fingerprints.json)."""
+    """The cache folder, ours (a cache from before markers holds targets/ or fingerprints.json;
+    one that `make setup-server` made first holds only llama.cpp/, its cached builds)."""
     return own_dir(root, "cache", hint="set SPECDRAFT_CACHE (or target.cache_dir) to another folder",
-                   adopt=lambda folder: (folder / "targets").is_dir() or (folder / "fingerprints.json").is_file())
+                   adopt=lambda folder: any((folder / name).exists() for name in ("targets", "fingerprints.json",
+                                                                                  "llama.cpp")))
 
 
 def local_target_folder(name_or_path: str, gguf_file: Optional[str], cache_dir: Path) -> Optional[Path]:

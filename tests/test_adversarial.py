@@ -267,6 +267,23 @@ def test_unwritable_folders_end_in_one_line_and_a_read_only_cache_still_works(fi
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
+def test_a_cache_that_make_setup_server_made_first_is_ours(tiny_target_dir, tmp_path):
+    """`make setup-server` caches llama.cpp's build under the cache folder before any stage ran:
+    the pipeline adopts that folder; one holding anything else stays someone else's."""
+    from pipeline.errors import PipelineError
+
+    cache = tmp_path / "cache"
+    (cache / "llama.cpp" / "0123").mkdir(parents=True)
+    load_target(str(tiny_target_dir), device="cpu", cache_dir=str(cache)).fingerprint()
+    assert (cache / "fingerprints.json").is_file() and (cache / ".specdraft").is_file()
+    from pipeline.models import own_cache
+
+    other = tmp_path / "other"
+    (other / "photos").mkdir(parents=True)
+    with pytest.raises(PipelineError, match="was not made by specdraft"):
+        own_cache(other)
+
+
 def test_bundle_json_of_the_wrong_type_or_range_is_refused(finished, tiny_target_dir, tmp_path):
     from pipeline.export.bundle import write_checksums
 

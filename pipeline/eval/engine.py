@@ -14,8 +14,9 @@ turns for eval.engine_repeats repetitions. Per prompt set it reports:
 - tokens/s with and without the draft (medians over the repetitions of the engine's generation
   timings) and the speedup;
 - our replay: the acceptance our model of llama.cpp's chain drafting predicts over the engine's
-  answers (the draft greedy over its full vocabulary, k tokens a pass, the target's token
-  first): equal counts mean the engine runs the draft we trained (draft_model only);
+  answers (k greedy draft tokens a pass after the target's token, never past max_new_tokens;
+  a draft model over its full vocabulary, an EAGLE-3 head over the target's features of every
+  token known, then its own): equal counts mean the engine runs the draft we trained;
 - answers of llama.cpp's plain target that differ from ours (its target GGUF is quantized or
   f16 against our fp32): counted and said, not an error.
 """
@@ -65,31 +66,73 @@ def complete(server: llama_cpp.Server, ids: list[int], max_new_tokens: int) -> d
     return answer
 
 
-@torch.no_grad()
-def replay_chain(draft: torch.nn.Module, context: list[int], answer: list[int], k: int,
-                 max_new_tokens: int) -> tuple[int, int]:
-    """(drafted, accepted) of greedy chains from `draft` (full vocabulary, as llama.cpp runs the
-    converted model) verified against `answer`, the target's first token given: as llama-server
-    drafts, k tokens a pass but never past max_new_tokens - 1 of the answer."""
+def passes(answer: list[int], k: int, max_new_tokens: int, propose) -> tuple[int, int]:
+    """(drafted, accepted) of llama-server's chain drafting over `answer`, the target's tokens:
+    its first token comes from the prompt's pass, then each pass drafts
+    min(k, max_new_tokens - 1 - p) tokens after the p known, `propose(p, n)`, and keeps the
+    matching ones and the target's own next token."""
     drafted = accepted = 0
-    device = next(draft.parameters()).device
     p = 1
     while p < len(answer):
         n = min(k, max_new_tokens - p - 1)
         if n <= 0:
             break
-        out = draft(torch.tensor([context + answer[:p]], device=device), use_cache=True, logits_to_keep=1)
-        proposal = [int(out.logits[0, -1].argmax())]
-        while len(proposal) < n:
-            out = draft(torch.tensor([[proposal[-1]]], device=device), past_key_values=out.past_key_values,
-                        use_cache=True)
-            proposal.append(int(out.logits[0, -1].argmax()))
+        proposal = propose(p, n)
         a = 0
         while a < len(proposal) and p + a < len(answer) and proposal[a] == answer[p + a]:
             a += 1
         drafted, accepted = drafted + len(proposal), accepted + a
         p += a + 1
     return drafted, accepted
+
+
+@torch.no_grad()
+def replay_chain(draft: torch.nn.Module, context: list[int], answer: list[int], k: int,
+                 max_new_tokens: int) -> tuple[int, int]:
+    """A draft model's (drafted, accepted) over `answer`: greedy over its full vocabulary, as
+    llama.cpp runs the converted model."""
+    from transformers import DynamicCache
+
+    from pipeline.decode.kv import with_cache
+
+    device = next(draft.parameters()).device
+
+    def propose(p: int, n: int) -> list[int]:
+        cache = with_cache(draft, DynamicCache(config=draft.config))
+        ids = torch.tensor([context + answer[:p]], device=device)
+        proposal: list[int] = []
+        while len(proposal) < n:
+            proposal.append(int(draft(ids, use_cache=True, logits_to_keep=1, **cache).logits[0, -1].argmax()))
+            ids = ids.new_tensor([proposal[-1:]])
+        return proposal
+
+    return passes(answer, k, max_new_tokens, propose)
+
+
+@torch.no_grad()
+def replay_eagle(head: torch.nn.Module, target: torch.nn.Module, context: list[int], answer: list[int], k: int,
+                 max_new_tokens: int) -> tuple[int, int]:
+    """An EAGLE-3 head's (drafted, accepted) over `answer`, as llama.cpp's draft-eagle3 drafts:
+    head position t reads token t+1 and the target's three layer inputs at t (fused by fc) for
+    every token the target has seen, then feeds back its own pre-norm output; its draft
+    vocabulary maps to the target's (d2t)."""
+    device = next(head.parameters()).device
+    seq = torch.tensor([context + answer], device=device)
+    out = target(seq, output_hidden_states=True, logits_to_keep=1)
+    fused = head.fuse(torch.cat([out.hidden_states[i] for i in head.feature_layers], dim=-1))
+
+    def propose(p: int, n: int) -> list[int]:
+        m = len(context) + p  # tokens known; the target has seen the first m - 1
+        ids, features = seq[:, 1:m], fused[:, : m - 1]
+        proposal: list[int] = []
+        while len(proposal) < n:
+            step = head(ids, features, logits_to_keep=1)
+            proposal.append(int(head.draft_to_target[step.logits[0, -1].argmax()]))
+            ids = torch.cat([ids, ids.new_tensor([[proposal[-1]]])], dim=1)
+            features = torch.cat([features, step.hidden[:, -1:]], dim=1)
+        return proposal
+
+    return passes(answer, k, max_new_tokens, propose)
 
 
 def check_llama_cpp(bundle, target, convs, max_turns: Optional[int], max_new_tokens: int, eos_ids: set[int],
@@ -140,10 +183,11 @@ def check_llama_cpp(bundle, target, convs, max_turns: Optional[int], max_new_tok
                 answers.append(tok.decode(turn.tokens["plain"], skip_special_tokens=True))
                 turns.append(turn)
                 bar.update(1)
-    return summarize(turns, bundle, k, max_new_tokens, ours, eos_ids)
+    return summarize(turns, bundle, target.model, k, max_new_tokens, ours, eos_ids)
 
 
-def summarize(turns: list[Turn], bundle, k: int, max_new_tokens: int, ours: Optional[dict], eos: set[int]) -> dict:
+def summarize(turns: list[Turn], bundle, target: torch.nn.Module, k: int, max_new_tokens: int, ours: Optional[dict],
+              eos: set[int]) -> dict:
     generated = sum(len(t.tokens["draft"]) for t in turns)
     drafted, accepted = sum(t.drafted for t in turns), sum(t.accepted for t in turns)
     differ = [dict(turn=i, first_divergence=first_divergence(t.tokens["plain"], t.tokens["draft"]))
@@ -161,8 +205,10 @@ def summarize(turns: list[Turn], bundle, k: int, max_new_tokens: int, ours: Opti
         tau=generated / (generated - accepted) if generated > accepted else None,
         plain_tokens_per_s=plain_tps, draft_tokens_per_s=draft_tps, speedup=draft_tps / plain_tps,
     )
-    if bundle.method == "draft_model" and isinstance(bundle.draft, torch.nn.Module):
-        replayed = [replay_chain(bundle.draft, t.context, t.tokens["plain"], k, max_new_tokens) for t in turns]
+    replay = {"draft_model": lambda t: replay_chain(bundle.draft, t.context, t.tokens["plain"], k, max_new_tokens),
+              "eagle": lambda t: replay_eagle(bundle.draft, target, t.context, t.tokens["plain"], k, max_new_tokens)}
+    if bundle.method in replay:
+        replayed = [replay[bundle.method](t) for t in tqdm(turns, desc="replay", unit="turn", dynamic_ncols=True)]
         result["replay"] = dict(drafted=sum(d for d, _ in replayed), accepted=sum(a for _, a in replayed))
     if ours is not None:
         result["ours_tau"] = ours.get("tau")

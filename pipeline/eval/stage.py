@@ -61,12 +61,14 @@ def tree_name(name: str) -> str:
 
 def find_drafts(cfg: Config, target: Target) -> tuple[dict[str, Draft], dict[str, int]]:
     """Every draft to measure, by method name: ngram (eval.ngram), each kind trained in this run
-    (its stage finished, still the one its generate stage made), eval.draft and eval.bundle;
-    and the num_draft_tokens a bundle was exported with, by method name."""
-    found: dict[str, Draft] = {"ngram": Draft(KINDS["ngram"], None)} if cfg.eval.ngram else {}
+    (its stage finished, still the one its generate stage made), eval.draft and eval.bundle
+    (with eval.engine, the bundle's alone); and the num_draft_tokens a bundle was exported with,
+    by method name."""
+    only_bundle = cfg.eval.engine is not None  # an engine check measures the bundle's draft alone
+    found: dict[str, Draft] = {"ngram": Draft(KINDS["ngram"], None)} if cfg.eval.ngram and not only_bundle else {}
     generate_dir = stage_dir(cfg.runs_dir, cfg.run, "generate")
     for kind in KINDS.values():
-        if kind.trained_by is None:
+        if kind.trained_by is None or only_bundle:
             continue
         folder = kind.trained_folder(cfg.runs_dir, cfg.run)
         if not (folder / MANIFEST).is_file():
@@ -79,7 +81,7 @@ def find_drafts(cfg: Config, target: Target) -> tuple[dict[str, Draft], dict[str
                                 f"{str(manifest.get('target_fingerprint'))[:12]}…); retrain it for this one")
         key = "distill" if kind.trained_by == "distill" else f"heads/{kind.name}"
         found[kind.name] = Draft(kind, kind.load(folder / kind.weights, target), (key, consumed(folder)))
-    if cfg.eval.draft:
+    if cfg.eval.draft and not only_bundle:
         path = Path(cfg.eval.draft).expanduser()
         name = "draft_model" if "draft_model" not in found else f"draft_model:{path.name}"
         found[name] = Draft(KINDS["draft_model"], load_draft(path, target))
@@ -202,7 +204,9 @@ def measure_costs(target, methods, ks: list[int], budgets: dict[str, list[int]],
 
 def run(cfg: Config) -> Path:
     t0 = time.perf_counter()
-    out = own_stage_dir(stage_dir(cfg.runs_dir, cfg.run, STAGE), STAGE)
+    # An engine check of a bundle is written beside the run's eval, which export reads.
+    out = own_stage_dir(stage_dir(cfg.runs_dir, cfg.run, f"{STAGE}-{cfg.eval.engine}" if cfg.eval.engine else STAGE),
+                        STAGE)
     remove(out / MANIFEST)  # the folder is incomplete until this run finishes
     ev = cfg.eval
 
@@ -239,7 +243,7 @@ def run(cfg: Config) -> Path:
                         fast=StaticModel(target.model, graphs) if fast else None)
     greedy = ev.temperature == 0
     num_turns = sum(min(len(c.user_turns), cfg.data.max_turns or 99) for c in convs)
-    spec = method_list(found, ev.trees)
+    spec = method_list(found, ev.trees and not ev.engine)
     sweep_of = lambda name: ev.tree_budgets if kind_of_method(name)[1] else ev.sweep
     log.info("eval: %d conversations (%d turns) from %s; methods plain, hf_generate, %s",
              len(convs), num_turns, cfg.data.source, ", ".join(n for n, _, _ in spec) or "no drafters")
