@@ -34,9 +34,9 @@ from pathlib import Path
 
 import torch
 
-from pipeline.distill.data import Example, collate
 from pipeline.distributed import native_bf16, resolve_precision
 from pipeline.models import load_target
+from pipeline.train.data import Example, collate
 
 
 def chat_batch(batch_size: int, length: int, vocab: int, seed: int = 0) -> list[Example]:

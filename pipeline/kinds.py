@@ -176,14 +176,14 @@ def _load_heads(folder: Path, target):
 
 
 def _medusa_formats(heads, target, base: str, num_draft_tokens: int, folder: Path) -> dict:
-    from pipeline.export.formats import MEDUSA_DIR, write_medusa
+    from pipeline.heads.formats import MEDUSA_DIR, write_medusa
 
     write_medusa(heads, target.model, base, folder / MEDUSA_DIR)
     return {"medusa": MEDUSA_DIR}
 
 
 def _eagle_formats(head, target, base: str, num_draft_tokens: int, folder: Path) -> dict:
-    from pipeline.export.formats import EAGLE3_DIR, SPECULATORS_DIR, write_eagle3, write_speculators
+    from pipeline.heads.formats import EAGLE3_DIR, SPECULATORS_DIR, write_eagle3, write_speculators
 
     write_eagle3(head, target.model, folder / EAGLE3_DIR)
     write_speculators(head, target.model, base, num_draft_tokens, folder / SPECULATORS_DIR)

@@ -103,11 +103,23 @@ def test_export_does_not_import_eval():
     assert not any(m.startswith("pipeline.eval") for m in reach), sorted(m for m in reach if "eval" in m)
 
 
-def test_training_stages_share_the_loop_not_each_other():
-    """distill and heads both train through pipeline/training.py; neither stage imports the other."""
+def test_training_stages_share_the_core_not_each_other():
+    """distill and heads both train through pipeline/train/ (data, losses, the loop); neither
+    imports the other's modules, and the core imports no stage."""
     graph = import_graph()
     for stage in ("pipeline.distill.stage", "pipeline.heads.stage"):
-        assert "pipeline.training" in graph[stage], stage
-    assert "pipeline.distill.stage" not in graph["pipeline.heads.stage"]
-    assert "pipeline.heads.stage" not in graph["pipeline.distill.stage"]
-    assert not any(m.startswith(("pipeline.distill.stage", "pipeline.heads")) for m in graph["pipeline.training"])
+        assert "pipeline.train.loop" in graph[stage], stage
+    heads = {m for m in graph if m.startswith("pipeline.heads")}
+    distill = {m for m in graph if m.startswith("pipeline.distill")}
+    assert not any(graph[m] & distill for m in heads), {m: graph[m] & distill for m in heads}
+    assert not any(graph[m] & heads for m in distill)
+    for core in (m for m in graph if m.startswith("pipeline.train")):
+        assert not graph[core] & (heads | distill | {"pipeline.eval", "pipeline.export"}), (core, graph[core])
+
+
+def test_the_kinds_table_sits_below_the_stages():
+    """pipeline.kinds (what every stage reads) imports no stage package: the engine layouts it
+    writes for heads live in pipeline/heads/formats.py, not in export/."""
+    graph = import_graph()
+    above = ("pipeline.export", "pipeline.eval", "pipeline.distill.stage", "pipeline.heads.stage", "pipeline.data")
+    assert not {m for m in graph["pipeline.kinds"] if m.startswith(above)}, graph["pipeline.kinds"]

@@ -16,9 +16,8 @@ lossless (any proposal distribution is); it only loses the rare target tokens ou
 from __future__ import annotations
 
 import copy
-from collections import Counter
 from pathlib import Path
-from typing import Iterable, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -117,17 +116,6 @@ def pretrained_draft(path: str, target: torch.nn.Module, *, trust_remote_code: b
 
 
 DRAFT_VOCAB_FILE = "draft_vocab.safetensors"
-
-
-def frequent_tokens(labels: Iterable[int], size: int, vocab_size: int) -> torch.Tensor:
-    """The `size` most frequent of `labels` (ties: lower id first), topped up with the lowest
-    unused ids when fewer distinct tokens occur; sorted ascending, int64."""
-    counts = Counter(labels)
-    chosen = [t for t, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:size]]
-    if len(chosen) < size:
-        used = set(chosen)
-        chosen += [t for t in range(vocab_size) if t not in used][: size - len(chosen)]
-    return torch.tensor(sorted(chosen), dtype=torch.long)
 
 
 def save_draft_vocab(ids: torch.Tensor, folder: Path) -> None:

@@ -14,7 +14,7 @@ and trains in `.next-distill/` beside it, which replaces it only once complete.
 
 One process on a laptop; `accelerate launch` / `torchrun` for N processes (DDP over gloo on
 CPUs, NCCL on GPUs); `distill.deepspeed=zero2|zero3` for DeepSpeed ZeRO. The loop, its
-checkpoints and resume are pipeline/training.py's; this stage supplies the draft, its loss
+checkpoints and resume are pipeline/train/loop.py's; this stage supplies the draft, its loss
 (on-policy steps included) and its held-out evaluation.
 """
 
@@ -31,15 +31,13 @@ import torch
 import torch.nn.functional as F
 
 from pipeline.config import Config, DistillConfig
-from pipeline.distill.data import Batch, Example, answer_tokens, collate, load_examples, split_heldout
-from pipeline.distill.draft import (
-    add_lora, check_vocabulary, frequent_tokens, new_draft, pretrained_draft, save_draft,
-)
-from pipeline.distill.losses import DraftVocab, Teacher, distill_loss, expected_acceptance, top1_agreement
+from pipeline.distill.draft import add_lora, check_vocabulary, new_draft, pretrained_draft, save_draft
 from pipeline.errors import PipelineError
 from pipeline.files import atomic_dir
 from pipeline.runs import stage_dir
-from pipeline.training import Task, finish, start_training, train_steps
+from pipeline.train.data import Batch, Example, answer_tokens, collate, frequent_tokens, load_examples, split_heldout
+from pipeline.train.loop import Task, finish, start_training, train_steps
+from pipeline.train.losses import DraftVocab, Teacher, distill_loss, expected_acceptance, top1_agreement
 
 log = logging.getLogger(__name__)
 STAGE = "distill"

@@ -12,8 +12,8 @@ Layout (`runs/<run>/export/` or export.dir):
                 compute only its rows
   heads/        (method medusa, eagle, early_exit) heads.safetensors + heads_config.json, the
                 trained weights and draft vocabulary; the rest is rebuilt from the target
-  medusa/       (method medusa) the Medusa-1 layout (export/formats.py)
-  eagle3/       (method eagle) the EAGLE-3 layout (LlamaForCausalLMEagle3; export/formats.py)
+  medusa/       (method medusa) the Medusa-1 layout (heads/formats.py)
+  eagle3/       (method eagle) the EAGLE-3 layout (LlamaForCausalLMEagle3; heads/formats.py)
   speculators/  (method eagle) the same head in vLLM's speculators layout
                 (method ngram) no weights: bundle.json's draft holds ngram_max and ngram_min
   gguf/         (draft_model, eagle: what llama.cpp runs) the draft converted by llama.cpp's own

@@ -20,8 +20,8 @@ import torch
 from tqdm.auto import tqdm
 
 from pipeline.decode.kv import with_hidden_states
-from pipeline.distill.data import Batch, Example, collate
 from pipeline.files import atomic_write_json, own_dir, rename
+from pipeline.train.data import Batch, Example, collate
 
 log = logging.getLogger(__name__)
 SHARD = "shard-{:05d}.safetensors"

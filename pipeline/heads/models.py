@@ -110,7 +110,7 @@ class Eagle3LayerMixin:
     [embedding; feature] (2H), attention reads both halves normalised (`input_layernorm`
     the embedding, `hidden_norm` the feature) through q/k/v projections of 2H inputs, and
     the residual stream is the feature. The layer's own modules and names are the target's,
-    so its weights are the `midlayer.*` of the EAGLE-3 layout (export/formats.py)."""
+    so its weights are the `midlayer.*` of the EAGLE-3 layout (heads/formats.py)."""
 
     def forward(self, hidden_states: torch.Tensor, attention_mask=None, position_embeddings=None, **kwargs):
         embeds, feature = hidden_states.chunk(2, dim=-1)

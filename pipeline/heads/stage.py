@@ -10,7 +10,7 @@ Input: `runs/<run>/generate/dataset`. Output (`runs/<run>/heads/<kind>/`):
   plan.json            the hash of what decides the weights
   manifest.json        written last, with the sha256 of the generate manifest it trained on
 
-The loop is pipeline/training.py's, shared with the distill stage: processes, DeepSpeed, resume,
+The loop is pipeline/train/loop.py's, shared with the distill stage: processes, DeepSpeed, resume,
 overwrite (a finished stage stays until its replacement is complete), NaN checks and logging.
 This stage supplies the heads, their loss on the target's features and their held-out evaluation:
 α and top-1 agreement per draft position and the τ they imply for a chain of 4 and for a token
@@ -31,16 +31,15 @@ from typing import Optional
 import torch
 
 from pipeline.config import Config
-from pipeline.distill.data import answer_tokens, collate, load_examples, split_heldout
-from pipeline.distill.draft import frequent_tokens
 from pipeline.distributed import native_bf16
 from pipeline.errors import PipelineError
-from pipeline.heads.models import build_heads, feature_indices, own_state, save_heads
-from pipeline.heads.cache import FeatureCache, find_cache
-from pipeline.heads.train import RANKS, HeadsForTraining, Terms, target_layers, target_view, view_from_hidden
 from pipeline.files import atomic_dir, remove, rename
+from pipeline.heads.cache import FeatureCache, find_cache
+from pipeline.heads.models import build_heads, feature_indices, own_state, save_heads
+from pipeline.heads.train import RANKS, HeadsForTraining, Terms, target_layers, target_view, view_from_hidden
 from pipeline.runs import stage_dir
-from pipeline.training import Task, finish, start_training, train_steps
+from pipeline.train.data import answer_tokens, collate, frequent_tokens, load_examples, split_heldout
+from pipeline.train.loop import Task, finish, start_training, train_steps
 
 log = logging.getLogger(__name__)
 STAGE = "heads"

@@ -3,7 +3,7 @@ a loss (and, on held-out data, acceptance statistics) out, for medusa, eagle (wi
 training-time test) and early exit.
 
 Every loss compares a head's distribution over its draft vocabulary with the target's own
-next-token distribution renormalised to that vocabulary (distill/losses.py): a training step
+next-token distribution renormalised to that vocabulary (train/losses.py): a training step
 computes only those V_draft logits of the target (its last hidden state times those rows of
 its LM head), never the full vocabulary. The held-out statistics are against the target's full
 distribution: α = Σ_v min(p(v), q(v)) (the expected acceptance when sampling, 1 − TV), top-1
@@ -24,8 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pipeline.distill.data import Batch
-from pipeline.distill.losses import Teacher, distill_loss
+from pipeline.train.data import Batch
+from pipeline.train.losses import Teacher, distill_loss
 
 
 @dataclass
@@ -212,7 +212,7 @@ def early_exit_terms(adapter, view: TargetView, batch: Batch, loss: str, target_
 
 class HeadsForTraining(nn.Module):
     """The heads behind one forward(view, batch) -> Terms, so DDP and DeepSpeed see every call.
-    `draft` is the trained module, the attribute pipeline/training.py checkpoints."""
+    `draft` is the trained module, the attribute pipeline/train/loop.py checkpoints."""
 
     def __init__(self, heads: nn.Module, target: nn.Module, loss: str, medusa_decay: float, ttt_steps: int) -> None:
         super().__init__()

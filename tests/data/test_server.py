@@ -68,7 +68,7 @@ def test_the_server_backend_writes_the_local_backends_dataset(ascii_target, prom
 def test_kd_losses_are_equal_on_logits_and_on_log_probabilities():
     """The stored top-k of the server is log p = logit − log Σ exp logits: every KD loss over the
     top-k sees the same distribution."""
-    from pipeline.distill.losses import Teacher, distill_loss
+    from pipeline.train.losses import Teacher, distill_loss
 
     torch.manual_seed(0)
     logits = torch.randn(7, 50) * 3

@@ -222,7 +222,7 @@ def test_two_deepspeed_processes_follow_the_one_process_loss_trajectory(tiny_tar
 def test_onpolicy_samples_stay_in_the_draft_vocabulary(tiny_target_dir):
     from transformers import AutoModelForCausalLM
 
-    from pipeline.distill.data import Example
+    from pipeline.train.data import Example
     from pipeline.distill.stage import onpolicy_batch
 
     draft = AutoModelForCausalLM.from_pretrained(tiny_target_dir)
@@ -238,7 +238,7 @@ def test_packed_rows_give_the_padded_logits_labels_and_teacher():
     """distill.pack: conversations sharing a row see only themselves (block-diagonal causal
     attention, positions restarting), so every learned position gets the logits it gets alone."""
     from conftest import tiny_llama
-    from pipeline.distill.data import Example, collate, pack_rows
+    from pipeline.train.data import Example, collate, pack_rows
     from pipeline.distill.stage import selected_logits
 
     model = tiny_llama(0, vocab=64)

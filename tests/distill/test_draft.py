@@ -70,7 +70,7 @@ def test_a_narrow_draft_starts_from_scratch(target):
 
 
 def test_frequent_tokens_ranks_by_count_then_id_and_tops_up():
-    from pipeline.distill.draft import frequent_tokens
+    from pipeline.train.data import frequent_tokens
 
     assert frequent_tokens([5, 5, 5, 2, 2, 9, 7], 3, 10).tolist() == [2, 5, 7]  # 7 and 9 tie: lower id first
     assert frequent_tokens([4, 4], 3, 10).tolist() == [0, 1, 4]

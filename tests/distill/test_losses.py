@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from pipeline.distill.losses import (
+from pipeline.train.losses import (
     DraftVocab, Teacher, aligned_log_probs, distill_loss, expected_acceptance, forward_kl, jsd, reverse_kl,
     top1_agreement, total_variation,
 )

@@ -312,7 +312,7 @@ def test_eagle3_formats_refuse_the_post_norm_hidden_state(tmp_path):
     inputs before it, so a head reading it cannot be written as EAGLE-3."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from pipeline.export.formats import write_eagle3
+    from pipeline.heads.formats import write_eagle3
     from pipeline.heads.models import build_heads, feature_indices
 
     target = LlamaForCausalLM(LlamaConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=3,

@@ -42,7 +42,7 @@ def smol_target_dir(tmp_path_factory):
 def test_an_eagle_head_converts_with_its_trained_layers(smol_target_dir, tmp_path):
     """llama.cpp's converter reads the layer ids at the top level of eagle3/config.json; without
     them it silently takes its default layers (the bug export had: ids only under eagle_config)."""
-    from pipeline.export.formats import write_eagle3
+    from pipeline.heads.formats import write_eagle3
     from pipeline.heads.models import build_heads, feature_indices
 
     target = load_target(str(smol_target_dir), device="cpu")

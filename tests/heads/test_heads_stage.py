@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 from conftest import compose_config, run_cli, write_jsonl
 from pipeline import data
 from pipeline import eval as evaluation
-from pipeline.distill.data import collate, load_examples
+from pipeline.train.data import collate, load_examples
 from pipeline.errors import PipelineError
 from pipeline.heads import stage as heads_stage
 from pipeline.heads.models import build_heads
@@ -283,7 +283,7 @@ def test_the_implied_tau_of_a_chain_and_of_the_best_tree():
 
 
 def test_the_best_heldout_weights_are_kept_not_the_last(tmp_path):
-    from pipeline.training import Best
+    from pipeline.train.loop import Best
 
     draft = torch.nn.Linear(2, 2)
     best = Best(tmp_path / "best", "heldout_tau")

@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 from heads.test_heads_decode import tiny_target  # noqa: E402
-from pipeline.export.formats import write_speculators  # noqa: E402
+from pipeline.heads.formats import write_speculators  # noqa: E402
 from pipeline.heads.models import build_heads  # noqa: E402
 
 out = Path(sys.argv[1])

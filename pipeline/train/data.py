@@ -11,12 +11,12 @@ import hashlib
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Iterable, Optional
 
 import torch
 
-from pipeline.distill.losses import Teacher
 from pipeline.errors import PipelineError
+from pipeline.train.losses import Teacher
 
 
 @dataclass
@@ -183,3 +183,14 @@ def collate(examples: list[Example], pad_id: int, offline: bool, pack: bool = Fa
         teacher = Teacher(torch.cat([ex.topk_logits for ex in examples]), torch.cat([ex.topk_ids for ex in examples]))
     starts = torch.tensor([where[i] for i in range(len(examples))], dtype=torch.long).reshape(-1, 2)
     return Batch(ids, mask, rows_t, cols_t, ids[rows_t, cols_t + 1], teacher, segments, positions, starts)
+
+
+def frequent_tokens(labels: Iterable[int], size: int, vocab_size: int) -> torch.Tensor:
+    """The `size` most frequent of `labels` (ties: lower id first), topped up with the lowest
+    unused ids when fewer distinct tokens occur; sorted ascending, int64."""
+    counts = Counter(labels)
+    chosen = [t for t, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:size]]
+    if len(chosen) < size:
+        used = set(chosen)
+        chosen += [t for t in range(vocab_size) if t not in used][: size - len(chosen)]
+    return torch.tensor(sorted(chosen), dtype=torch.long)

@@ -22,7 +22,6 @@ import torch
 from tqdm.auto import tqdm
 
 from pipeline.config import Config, TrainConfig
-from pipeline.distill.data import global_batch_indices, micro_batches
 from pipeline.distributed import resolve_precision
 from pipeline.errors import PipelineError
 from pipeline.files import atomic_dir, atomic_write_json, atomic_write_text, own_dir, remove
@@ -32,9 +31,10 @@ from pipeline.runs import (
     stage_dir, write_manifest,
 )
 from pipeline.tracking import Tracker, start_tracker
+from pipeline.train.data import global_batch_indices, micro_batches
 
 log = logging.getLogger(__name__)
-CONF_DEEPSPEED = Path(__file__).resolve().parent.parent / "conf" / "deepspeed"
+CONF_DEEPSPEED = Path(__file__).resolve().parents[2] / "conf" / "deepspeed"
 
 
 def make_accelerator(tc: TrainConfig):
@@ -231,7 +231,7 @@ class Task:
     model: torch.nn.Module
     """Behind one forward, so DDP and DeepSpeed see every call; its `.draft` is trained and saved."""
     num_examples: int
-    """Each global step draws indices of the training examples (distill.data.global_batch_indices)."""
+    """Each global step draws indices of the training examples (train.data.global_batch_indices)."""
     loss: Callable[[torch.nn.Module, list[int], dict], tuple[torch.Tensor, int]]
     """(prepared model, one micro-batch's example indices, what draw_step drew) -> (loss, tokens in it)."""
     evaluate: Callable[[torch.nn.Module], dict]
