@@ -116,6 +116,8 @@ def replay_eagle(head: torch.nn.Module, target: torch.nn.Module, context: list[i
     head position t reads token t+1 and the target's three layer inputs at t (fused by fc) for
     every token the target has seen, then feeds back its own pre-norm output; its draft
     vocabulary maps to the target's (d2t)."""
+    from transformers import DynamicCache
+
     device = next(head.parameters()).device
     seq = torch.tensor([context + answer], device=device)
     out = target(seq, output_hidden_states=True, logits_to_keep=1)
@@ -123,14 +125,14 @@ def replay_eagle(head: torch.nn.Module, target: torch.nn.Module, context: list[i
 
     def propose(p: int, n: int) -> list[int]:
         m = len(context) + p  # tokens known; the target has seen the first m - 1
-        ids, features = seq[:, 1:m], fused[:, : m - 1]
+        cache = DynamicCache(config=head.config)
+        step = head(seq[:, 1:m], fused[:, : m - 1], cache=cache, use_cache=True, logits_to_keep=1)
         proposal: list[int] = []
-        while len(proposal) < n:
-            step = head(ids, features, logits_to_keep=1)
+        while True:
             proposal.append(int(head.draft_to_target[step.logits[0, -1].argmax()]))
-            ids = torch.cat([ids, ids.new_tensor([[proposal[-1]]])], dim=1)
-            features = torch.cat([features, step.hidden[:, -1:]], dim=1)
-        return proposal
+            if len(proposal) == n:
+                return proposal
+            step = head(seq.new_tensor([proposal[-1:]]), step.hidden[:, -1:], cache=cache, use_cache=True)
 
     return passes(answer, k, max_new_tokens, propose)
 

@@ -264,8 +264,10 @@ def tie_epsilon(dtype: torch.dtype) -> float:
 def first_divergence(a: list[int], b: list[int]) -> Optional[int]:
     """The first position where two token lists differ (the shorter one's length where one is a
     prefix of the other); None where they are equal."""
-    i = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), None)
-    return i if i is not None else None if len(a) == len(b) else min(len(a), len(b))
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
 
 
 @torch.inference_mode()

@@ -60,15 +60,30 @@ def tree_name(name: str) -> str:
 
 
 def find_drafts(cfg: Config, target: Target) -> tuple[dict[str, Draft], dict[str, int]]:
-    """Every draft to measure, by method name: ngram (eval.ngram), each kind trained in this run
-    (its stage finished, still the one its generate stage made), eval.draft and eval.bundle
-    (with eval.engine, the bundle's alone); and the num_draft_tokens a bundle was exported with,
-    by method name."""
-    only_bundle = cfg.eval.engine is not None  # an engine check measures the bundle's draft alone
-    found: dict[str, Draft] = {"ngram": Draft(KINDS["ngram"], None)} if cfg.eval.ngram and not only_bundle else {}
+    """Every draft to measure, by method name: the run's (run_drafts) and eval.bundle (with
+    eval.engine, the bundle's alone); and the num_draft_tokens a bundle was exported with, by
+    method name."""
+    found = {} if cfg.eval.engine else run_drafts(cfg, target)
+    bundle_k = {}
+    if cfg.eval.bundle:
+        from pipeline.export import load_bundle
+
+        bundle = load_bundle(cfg.eval.bundle, target)
+        name = bundle.method if bundle.method not in found else f"{bundle.method}:bundle"
+        found[name] = Draft(KINDS[bundle.method], bundle.draft)
+        bundle_k[tree_name(name) if bundle.tree else name] = bundle.num_draft_tokens
+        log.info("eval: bundle %s (target fingerprint and checksums verified), %s %d", bundle.path,
+                 "tree of" if bundle.tree else "num_draft_tokens", bundle.num_draft_tokens)
+    return found, bundle_k
+
+
+def run_drafts(cfg: Config, target: Target) -> dict[str, Draft]:
+    """ngram (eval.ngram), each kind trained in this run (its stage finished, still the one its
+    generate stage made) and eval.draft."""
+    found: dict[str, Draft] = {"ngram": Draft(KINDS["ngram"], None)} if cfg.eval.ngram else {}
     generate_dir = stage_dir(cfg.runs_dir, cfg.run, "generate")
     for kind in KINDS.values():
-        if kind.trained_by is None or only_bundle:
+        if kind.trained_by is None:
             continue
         folder = kind.trained_folder(cfg.runs_dir, cfg.run)
         if not (folder / MANIFEST).is_file():
@@ -81,21 +96,11 @@ def find_drafts(cfg: Config, target: Target) -> tuple[dict[str, Draft], dict[str
                                 f"{str(manifest.get('target_fingerprint'))[:12]}…); retrain it for this one")
         key = "distill" if kind.trained_by == "distill" else f"heads/{kind.name}"
         found[kind.name] = Draft(kind, kind.load(folder / kind.weights, target), (key, consumed(folder)))
-    if cfg.eval.draft and not only_bundle:
+    if cfg.eval.draft:
         path = Path(cfg.eval.draft).expanduser()
         name = "draft_model" if "draft_model" not in found else f"draft_model:{path.name}"
         found[name] = Draft(KINDS["draft_model"], load_draft(path, target))
-    bundle_k = {}
-    if cfg.eval.bundle:
-        from pipeline.export import load_bundle
-
-        bundle = load_bundle(cfg.eval.bundle, target)
-        name = bundle.method if bundle.method not in found else f"{bundle.method}:bundle"
-        found[name] = Draft(KINDS[bundle.method], bundle.draft)
-        bundle_k[tree_name(name) if bundle.tree else name] = bundle.num_draft_tokens
-        log.info("eval: bundle %s (target fingerprint and checksums verified), %s %d", bundle.path,
-                 "tree of" if bundle.tree else "num_draft_tokens", bundle.num_draft_tokens)
-    return found, bundle_k
+    return found
 
 
 def method_list(found: dict[str, Draft], trees: bool) -> list[tuple[str, str, Optional[torch.nn.Module]]]:
