@@ -8,7 +8,7 @@ NUM_PROCESSES ?= 2
 # Extra Hydra overrides for the pipeline targets, e.g. make demo ARGS="generate.batch_size=32"
 ARGS ?=
 
-.PHONY: setup setup-server setup-compat demo test test-fast test-compat gpu-check check-speculators bench bench-generate bench-verify bench-train generate-multi distill-multi clean
+.PHONY: setup setup-server setup-compat demo test test-fast test-compat gpu-check check-speculators bench bench-decode bench-generate bench-verify bench-train generate-multi distill-multi clean
 
 setup: $(VENV)/.installed
 
@@ -89,8 +89,14 @@ $(COMPAT_VENV)/.installed: pyproject.toml
 check-speculators: setup
 	tools/speculators_check/run.sh
 
+# `make bench`: the eval stage's decoders against HF's, then our decoder by drafter kind (chains,
+# heads, trees); DECODE_ARGS="--compare <git ref>" runs the second against another commit's decoder.
 bench: setup
 	$(PY) benchmarks/bench_eval.py $(ARGS)
+	$(PY) benchmarks/bench_decode.py $(DECODE_ARGS)
+
+bench-decode: setup
+	$(PY) benchmarks/bench_decode.py $(ARGS)
 
 bench-generate: setup setup-server
 	$(PY) benchmarks/bench_generate.py

@@ -28,7 +28,6 @@ from pipeline.config import GenerateConfig
 from pipeline.data.chat import eos_token_ids, first_prompt_ids
 from pipeline.data.generate import regenerate, topk_logits
 from pipeline.data.sources import load_conversations
-from pipeline.decode.types import left_pad
 from pipeline.models import load_target
 
 
@@ -45,6 +44,14 @@ def hf_generate_batch1(target, prompts: list[list[int]], max_new_tokens: int) ->
             new = out[0, ids.shape[1]:].tolist()
             tokens += next((i + 1 for i, t in enumerate(new) if t in eos), len(new))
     return tokens, time.perf_counter() - t0
+
+
+def left_pad(prompts: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompts [B, S] left-padded with pad_id, and which entries are real [B, S]."""
+    width = max(map(len, prompts))
+    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts], device=device)
+    valid = torch.tensor([[False] * (width - len(p)) + [True] * len(p) for p in prompts], device=device)
+    return ids, valid
 
 
 def hf_generate_batched(target, prompts: list[list[int]], max_new_tokens: int, batch_size: int) -> tuple[int, float]:

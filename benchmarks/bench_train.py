@@ -216,7 +216,7 @@ def bench_heads(target, device, args) -> None:
 
 
 def bench_cache(target, device, args) -> None:
-    from pipeline.decode.kv import with_hidden_states
+    from pipeline.decode.static_kv import with_hidden_states
     from pipeline.heads.cache import run_target, token_batches
     from pipeline.heads.models import feature_indices
 

@@ -7,10 +7,10 @@ A speculative step verifies k+1 tokens (a chain) or a token tree of any size in 
 forward after the cached context; the speedup is τ over that forward's cost v (in plain
 decoding steps) plus the drafter's. Rows: the embedded target as transformers loads it;
 its linear layers all through (W @ x.T).T, then all through oneDNN's reordered weights
-(kernels/linear.py); through the product measured fastest per shape and row count on this
-machine (the decode layout); and with SDPA's own grouped-query attention besides
-(kernels/gqa_attention.py), which is what `stage=eval` uses (eval.decode_layout=true). The
-products the decode layout chose follow the table. The draft column is one
+(kernels/linear.py); and through the product measured fastest per shape and row count on
+this machine (the decode layout), which is what `stage=eval` uses (eval.decode_layout=true).
+Every forward is our decoder's (static KV cache, grouped-query attention reading the shared
+heads as they are). The products the decode layout chose follow the table. The draft column is one
 decoding step of a draft of the CPU recipe's shape (2 layers, an 8192-token LM head) under
 the same layout, in fp32 and with its linear layers in int8 (layout.int8_linears, what
 `stage=eval` does to draft models on CPU by default, eval.draft_int8=true).
@@ -24,7 +24,7 @@ import copy
 import torch
 
 import pipeline.kernels.linear as layout
-from pipeline.kernels.gqa_attention import gqa_attention
+from pipeline.decode import StaticModel
 from pipeline.decode.prepare import restrict_vocabulary
 from pipeline.distill.draft import new_draft
 from pipeline.eval.measure import forward_step, median_seconds
@@ -33,7 +33,7 @@ from pipeline.models import load_target
 WIDTHS = (1, 2, 3, 5, 9, 17)
 
 
-def recipe_draft(target: torch.nn.Module, *, small_batch: bool, grouped: bool, int8: bool = False) -> torch.nn.Module:
+def recipe_draft(target: torch.nn.Module, *, small_batch: bool, int8: bool = False) -> torch.nn.Module:
     """The CPU recipe's draft shape (conf/draft/new.yaml): 2 layers, 8192-token vocabulary."""
     draft = new_draft(target, num_layers=2, init_layers=[0, -1]).eval()
     restrict_vocabulary(draft, torch.arange(8192))
@@ -41,8 +41,6 @@ def recipe_draft(target: torch.nn.Module, *, small_batch: bool, grouped: bool, i
         layout.int8_linears(draft)
     if small_batch:
         layout.decode_layout(draft)
-    if grouped:
-        gqa_attention(draft)
     return draft
 
 
@@ -65,22 +63,20 @@ def main() -> None:
     loaded = target.model.eval()
     small = copy.deepcopy(loaded)
     layout.decode_layout(small)
-    full = copy.deepcopy(small)
-    gqa_attention(full)
-    configs = [  # name, target, draft's small-batch product and grouped-query attention, product
-        ("nn.Linear, sdpa (as loaded)", loaded, (False, False), None),
-        ("all (W @ x.T).T", small, (True, False), "columns"),
-        ("all oneDNN", copy.deepcopy(small), (True, False), "onednn"),
-        ("measured per shape and rows", copy.deepcopy(small), (True, False), None),
-        ("+ grouped-query SDPA (eval)", full, (True, True), None),
+    configs = [  # name, target, the draft's small-batch product, product
+        ("nn.Linear (as loaded)", loaded, False, None),
+        ("all (W @ x.T).T", small, True, "columns"),
+        ("all oneDNN", copy.deepcopy(small), True, "onednn"),
+        ("measured per shape and rows (eval)", copy.deepcopy(small), True, None),
     ]
     steps = {}
-    for name, model, (small_batch, grouped), product in configs:
+    for name, model, small_batch, product in configs:
+        static = StaticModel(model)
         for width in WIDTHS:
-            steps[name, width] = with_product(product, forward_step(model, width, args.context))
+            steps[name, width] = with_product(product, forward_step(static, width, args.context))
         for int8 in (False, True):
-            draft = recipe_draft(loaded, small_batch=small_batch, grouped=grouped, int8=int8)
-            steps[name, "draft", int8] = with_product(product, forward_step(draft, 1, args.context))
+            draft = StaticModel(recipe_draft(loaded, small_batch=small_batch, int8=int8))
+            steps[name, "draft", int8] = with_product(product, forward_step(draft, 1, args.context, logits_to_keep=1))
     seconds = median_seconds(steps, loaded, reps=args.reps)  # round-robin: drift touches all alike
     layout.FORCE = None
 

@@ -1,21 +1,20 @@
-"""`make gpu-check`: on a CUDA machine, the fast path's tests and its numbers, in one run.
+"""`make gpu-check`: on a CUDA machine, our decoder's CUDA tests and its numbers, in one run.
 
     python3 benchmarks/gpu_check.py --out DIR [--mtbench FILE] [--sharegpt FILE] [--budget-s 540]
 
 Writes DIR/gpu_check.json and DIR/gpu_check.md (and prints the table):
 
-1. tests: the kernel tests and the fast path's CUDA tests (pytest, on this GPU);
+1. tests: the kernel tests and our decoder's CUDA tests (pytest, on this GPU);
 2. decode: the embedded target in bf16, MT-bench (one conversation per category, both
-   turns), greedy, 128 new tokens, batch 1: our plain decoding and prompt lookup on the fast
-   path (CUDA graphs), our CPU path's decoder on the GPU (eager, what eval ran before),
-   transformers' eager `generate` and its `generate` with a static cache (compiled, the
-   fastest a transformers user gets); tokens/s, τ, and whether each output equals plain
-   decoding's (differences only at bf16 near-ties);
-3. verify: a fast-path verification of w tokens against a 1-token step (graph replays,
-   medians of interleaved timings), w = 1 .. 64;
+   turns), greedy, 128 new tokens, batch 1: our plain decoding and prompt lookup with CUDA
+   graphs, our plain decoding without them (eager launches), transformers' eager `generate`
+   and its `generate` with a static cache (compiled, the fastest a transformers user gets);
+   tokens/s, τ, and whether each output equals plain decoding's (differences only at bf16
+   near-ties);
+3. verify: a verification of w tokens against a 1-token step (graph replays, medians of
+   interleaved timings), w = 1 .. 64;
 4. batch: the generate stage's decoding of ShareGPT first turns at batch 256 (256 new
-   tokens): the fast path with continuous batching (512 prompts), and our batched plain
-   decoder (the first 256).
+   tokens, 512 prompts, continuous batching), with and without CUDA graphs.
 
 Each part records its error instead of stopping the run; parts left when the budget runs
 out are marked skipped. Run it with the machine's own python (`make gpu-check PY=python3`).
@@ -80,15 +79,12 @@ def decode_part(target, mtbench, max_new_tokens: int, graphs: bool) -> dict:
     import torch
 
     from pipeline.data.chat import eos_token_ids
-    from pipeline.decode.static_kv import StaticModel, use_static_attention
     from pipeline.eval.measure import Method, Settings, greedy_divergences, make_decode, measure
 
     model, tok = target.model, target.tokenizer
     hf = copy.deepcopy(model)  # transformers' methods on the model exactly as transformers loads it
-    use_static_attention(model)
     eos = set(eos_token_ids(model.generation_config, tok))
-    fast = Settings(model=model, tokenizer=tok, eos_ids=eos, max_new_tokens=max_new_tokens,
-                    fast=StaticModel(model, graphs=graphs))
+    fast = Settings(model=model, tokenizer=tok, eos_ids=eos, max_new_tokens=max_new_tokens, graphs=graphs, hf_model=hf)
     eager = Settings(model=model, tokenizer=tok, eos_ids=eos, max_new_tokens=max_new_tokens, hf_model=hf)
 
     def hf_static(prompts):
@@ -106,19 +102,19 @@ def decode_part(target, mtbench, max_new_tokens: int, graphs: bool) -> dict:
     t0 = time.perf_counter()
     hf_static([[tok.eos_token_id] * 8])  # compiles (its time is reported, not counted in tokens/s)
     compile_s = time.perf_counter() - t0
-    methods = {"plain (fast path)": Method(make_decode("plain", fast), "plain"),
-               "ngram k=4 (fast path)": Method(make_decode("ngram", fast, 4), "ngram", 4),
-               "ngram k=2 (fast path)": Method(make_decode("ngram", fast, 2), "ngram", 2),
-               "plain (CPU path, eager)": Method(make_decode("plain", eager), "plain"),
+    methods = {"plain (graphs)": Method(make_decode("plain", fast), "plain"),
+               "ngram k=4 (graphs)": Method(make_decode("ngram", fast, 4), "ngram", 4),
+               "ngram k=2 (graphs)": Method(make_decode("ngram", fast, 2), "ngram", 2),
+               "plain (no graphs, eager)": Method(make_decode("plain", eager), "plain"),
                "hf_generate (eager)": Method(make_decode("hf_generate", eager), "hf_generate"),
                "hf_generate (static cache, compiled)": Method(hf_static, "hf_static")}
     for m in methods.values():  # warm-up: graph captures and allocations
         m.decode([[tok.eos_token_id] * 8])
     results = measure(methods, mtbench, fast)
-    plain = results["plain (fast path)"]
+    plain = results["plain (graphs)"]
     rows = {}
     for name, m in results.items():
-        found = greedy_divergences(model, plain, m) if name != "plain (fast path)" else []
+        found = greedy_divergences(model, plain, m) if name != "plain (graphs)" else []
         rows[name] = dict(tokens_per_s=m.total.tokens_per_s, tau=m.total.tau, tokens=m.total.tokens,
                           divergences=len(found), near_tie_divergences=sum(d.tie for d in found))
     return {"methods": rows, "hf_static_compile_s": compile_s, "turns": sum(len(c.user_turns) for c in mtbench),
@@ -127,33 +123,28 @@ def decode_part(target, mtbench, max_new_tokens: int, graphs: bool) -> dict:
 
 def verify_part(target, graphs: bool, widths: list[int]) -> dict:
     from pipeline.decode.static_kv import StaticModel
-    from pipeline.eval.measure import fast_forward_step, median_seconds
+    from pipeline.eval.measure import forward_step, median_seconds
 
     fast = StaticModel(target.model, graphs=graphs)
-    seconds = median_seconds({w: fast_forward_step(fast, w) for w in widths}, target.model, reps=30)
+    seconds = median_seconds({w: forward_step(fast, w) for w in widths}, target.model, reps=30)
     return {"ms": {w: 1000 * s for w, s in seconds.items()}, "vs_one": {w: s / seconds[1] for w, s in seconds.items()}}
 
 
 def batch_part(target, sharegpt, batch: int, max_new_tokens: int, graphs: bool) -> dict:
-    """The generate stage's decoding: 2 x batch ShareGPT first turns through `batch` rows on the
-    fast path (continuous batching), and the first `batch` of them with our batched plain
-    decoder (the CPU path's, whose batch shrinks as rows finish)."""
-    import torch
-
+    """The generate stage's decoding: 2 x batch ShareGPT first turns through `batch` rows
+    (continuous batching), with CUDA graphs (`graphs`) and without."""
     from pipeline.data.chat import eos_token_ids, first_prompt_ids
-    from pipeline.decode import plain_decode
-    from pipeline.decode.fast import continuous_decode
-    from pipeline.decode.static_kv import StaticModel
+    from pipeline.decode import StaticModel, continuous_decode
 
     tok = target.tokenizer
     eos = set(eos_token_ids(target.generation_config, tok))
     prompts = [first_prompt_ids(tok, c)[-512:] for c in sharegpt[: 2 * batch]]
-    fast = StaticModel(target.model, graphs=graphs)
+    fast, eager = StaticModel(target.model, graphs=graphs), StaticModel(target.model)
     continuous_decode(fast, prompts[:batch], batch_size=batch, max_new_tokens=4, eos_ids=eos)  # capture
-    runs = {"fast path, continuous batching": lambda: continuous_decode(
+    runs = {"continuous batching (graphs)": lambda: continuous_decode(
                 fast, prompts, batch_size=batch, max_new_tokens=max_new_tokens, eos_ids=eos),
-            "CPU path's batched decoder": lambda: plain_decode(
-                target.model, prompts[:batch], max_new_tokens=max_new_tokens, eos_ids=eos, pad_id=tok.pad_token_id)}
+            "continuous batching (no graphs)": lambda: continuous_decode(
+                eager, prompts, batch_size=batch, max_new_tokens=max_new_tokens, eos_ids=eos)}
     out, answers = {}, {}
     for name, run in runs.items():
         sync()
@@ -177,8 +168,8 @@ def markdown(results: dict) -> str:
     if "methods" in dec:
         lines += [f"MT-bench, {dec['turns']} turns, greedy, {dec['max_new_tokens']} new tokens, batch 1, {results['dtype']} "
                   f"(HF static-cache compile: {dec['hf_static_compile_s']:.0f} s, not counted):", "",
-                  "| method | tokens/s | vs fast plain | τ | differs from plain (near-ties) |", "|---|---:|---:|---:|---|"]
-        base = dec["methods"]["plain (fast path)"]["tokens_per_s"]
+                  "| method | tokens/s | vs plain (graphs) | τ | differs from plain (near-ties) |", "|---|---:|---:|---:|---|"]
+        base = dec["methods"]["plain (graphs)"]["tokens_per_s"]
         for name, m in dec["methods"].items():
             tau = f"{m['tau']:.2f}" if m["tau"] else "–"
             lines.append(f"| {name} | {m['tokens_per_s']:.1f} | {m['tokens_per_s'] / base:.2f}x | {tau} | "
@@ -186,7 +177,7 @@ def markdown(results: dict) -> str:
         lines.append("")
     ver = results.get("verify", {})
     if "ms" in ver:
-        lines += [f"Fast-path verification of w tokens ({'CUDA graph replay' if results['device'] != 'cpu' else 'no graphs'}"
+        lines += [f"Verification of w tokens ({'CUDA graph replay' if results['device'] != 'cpu' else 'no graphs'}"
                   ", context 128):", "",
                   "| w | ms | vs w=1 |", "|---:|---:|---:|"]
         lines += [f"| {w} | {ver['ms'][w]:.3f} | {ver['vs_one'][w]:.2f}x |" for w in ver["ms"]]

@@ -16,13 +16,15 @@ from typing import Any, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
+from pipeline.errors import PipelineError
+
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 METHODS = ("ngram", "draft_model", "medusa", "eagle", "early_exit")
 """The draft kinds (pipeline/kinds.py holds what each does); the last three are heads."""
 HEAD_KINDS = METHODS[2:]
 DATA_SOURCES = ("sharegpt", "mtbench", "file")
 SPLITS = ("train", "eval", "all")
-FAST_PATH = ("auto", "on", "off")
+GRAPH_CHOICES = ("auto", "on", "off")
 GENERATE_BACKENDS = ("local", "server")
 TIMING_NOISE = 0.03
 """Relative speed differences below this are within timing noise on a busy machine: eval
@@ -50,11 +52,15 @@ def _check_finite(node: str, obj) -> None:
             raise ValueError(f"{node}.{f.name} must be a finite number, got {value}")
 
 
-def fast_path(setting: str, device_type: str) -> tuple[bool, bool]:
-    """(decode on the fast path, replay its forwards from CUDA graphs) for a `cuda_graphs`
-    setting (auto, on, off) on this device type."""
-    fast = setting == "on" or (setting == "auto" and device_type == "cuda")
-    return fast, fast and device_type == "cuda"
+def use_graphs(setting: str, device_type: str, split: bool, stage: str) -> bool:
+    """Whether our decoder replays its forwards from captured CUDA graphs, for a `cuda_graphs`
+    setting (auto: on one CUDA device; on; off) and a target on this device type, split across
+    devices or not."""
+    if setting == "on" and (device_type != "cuda" or split):
+        where = "split across devices" if split else f"on {device_type}"
+        raise PipelineError(f"{stage}.cuda_graphs=on needs the target on one CUDA device; it is {where} "
+                         f"(auto turns graphs on where they run)")
+    return setting == "on" or (setting == "auto" and device_type == "cuda" and not split)
 
 
 def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
@@ -214,9 +220,9 @@ class GenerateConfig:
     """Start over when the run folder holds a generate stage with a different config (a finished one
     stays in place until the new one is complete)."""
     cuda_graphs: str = "auto"
-    """The decoder's fast path (see eval.cuda_graphs) with continuous batching: batch_size rows
-    decode at once, a row whose answer ended takes the next prompt. auto: on CUDA; on: also on
-    CPU (no graphs); off: our batched plain decoder, whose batch shrinks as rows finish."""
+    """Our decoder (static KV caches, continuous batching: batch_size rows decode at once, a row
+    whose answer ended takes the next prompt) replays every forward from a captured CUDA graph.
+    auto: where the target is on one CUDA device; on: the same, an error elsewhere; off: never."""
     backend: str = "local"
     """local: the target decodes in this process (our decoder); server: OpenAI-compatible
     serving engines answer (generate.server), for targets that need one."""
@@ -243,7 +249,7 @@ class GenerateConfig:
             raise ValueError(f"generate.top_p must be in (0, 1], got {self.top_p}")
         if self.save_topk_logits < 0:
             raise ValueError(f"generate.save_topk_logits must be >= 0, got {self.save_topk_logits}")
-        _check_choice("generate.cuda_graphs", self.cuda_graphs, FAST_PATH)
+        _check_choice("generate.cuda_graphs", self.cuda_graphs, GRAPH_CHOICES)
         if not 0.0 <= self.target_answers <= 1.0:
             raise ValueError(f"generate.target_answers must be in [0, 1], got {self.target_answers}")
 
@@ -319,16 +325,13 @@ class EvalConfig:
     compare_hf: bool = False
     """Also run HF assisted generation and prompt lookup with the same drafts and num_draft_tokens."""
     cuda_graphs: str = "auto"
-    """Our decoder's fast path (pipeline/decode/fast.py: static KV caches, fixed shapes, fused
-    acceptance, every target and draft forward replayed from a captured CUDA graph) for plain
-    decoding and every chain (ngram, draft_model, medusa, eagle, early_exit). auto: on CUDA
-    devices, the CPU path elsewhere; on: also on CPU (the same static code, without graphs);
-    off: the CPU path's decoder everywhere. Medusa and EAGLE trees too, greedy and sampled."""
+    """Our decoder (static KV caches, fixed shapes, acceptance on the device; the same code on
+    every device) replays every target and draft forward from a captured CUDA graph. auto:
+    where the target is on one CUDA device; on: the same, an error elsewhere; off: never."""
     decode_layout: bool = True
     """On CPU, our decoder runs few-row inputs of every linear layer through a small-batch
-    product (pipeline/kernels/linear.py) and grouped-query attention without copying the cache
-    per head (pipeline/kernels/gqa_attention.py); HF's methods keep an untouched copy. false: both
-    share the model as loaded."""
+    product (pipeline/kernels/linear.py); HF's methods keep an untouched copy. false: both share
+    the model as loaded."""
 
     def __post_init__(self) -> None:
         _check_finite("eval", self)
@@ -353,14 +356,12 @@ class EvalConfig:
             raise ValueError(f"eval.confidence_threshold must be in [0, 1), got {self.confidence_threshold}")
         if self.ngram_min > self.ngram_max:
             raise ValueError("eval.ngram_min must be <= eval.ngram_max")
-        _check_choice("eval.cuda_graphs", self.cuda_graphs, FAST_PATH)
+        _check_choice("eval.cuda_graphs", self.cuda_graphs, GRAPH_CHOICES)
 
     @property
     def fixed_num_draft_tokens(self) -> Optional[int]:
         return None if self.num_draft_tokens == "auto" else int(self.num_draft_tokens)
 
-    def fast_path(self, device_type: str) -> tuple[bool, bool]:
-        return fast_path(self.cuda_graphs, device_type)
 
 
 @dataclass

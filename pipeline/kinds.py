@@ -1,11 +1,11 @@
 """The draft kinds: one table of how each is found in a run, loaded, drafted with and exported.
 
-    kind         trained by   a bundle holds             trees  int8 on CPU  fast path (CUDA)
-    ngram        -            nothing (settings only)    -      -            yes
-    draft_model  distill      draft/  (HF folder)        -      yes          yes
-    medusa       heads        heads/  + medusa/          yes    yes          yes (and trees)
-    eagle        heads        heads/  + eagle3/, speculators/  yes  - (its features feed back)  yes (and trees)
-    early_exit   heads        heads/                     -      - (mostly the target's layers)  yes
+    kind         trained by   a bundle holds             trees  int8 on CPU
+    ngram        -            nothing (settings only)    -      -
+    draft_model  distill      draft/  (HF folder)        -      yes
+    medusa       heads        heads/  + medusa/          yes    yes
+    eagle        heads        heads/  + eagle3/, speculators/  yes  - (its features feed back)
+    early_exit   heads        heads/                     -      - (mostly the target's layers)
 
 Adding a kind touches this table and one drafter module in pipeline/decode/. The names come
 from pipeline.config (METHODS), which validates what users choose; a test checks they agree.
@@ -36,7 +36,9 @@ class DraftOptions:
     medusa_choices: Optional[list] = None
     confidence_threshold: float = 0.0
     graphs: bool = False
-    """On the fast path (pipeline/decode/fast.py): replay the draft's forwards from CUDA graphs."""
+    """Replay the draft's forwards from captured CUDA graphs (eval.cuda_graphs, on one CUDA device)."""
+    fixed_shapes: Optional[bool] = None
+    """Draft at the same shapes every step (default: with graphs; see decode.static_kv.StaticModel)."""
 
 
 @dataclass(frozen=True)
@@ -62,7 +64,7 @@ class Kind:
     bundle_folder: Optional[str] = None
     """Where a bundle keeps them."""
     trees: bool = False
-    """Also decoded as a token tree (eval's `<name>_tree`)."""
+    """Its drafter also proposes token trees (propose_tree; eval's `<name>_tree`)."""
     int8: bool = False
     """eval.draft_int8 runs its own linear layers in int8 on CPU."""
     stops_early: bool = False
@@ -73,11 +75,6 @@ class Kind:
     formats: Optional[Callable[..., dict]] = None
     """(draft module, Target, base model name, num_draft_tokens, bundle folder) -> {format: subfolder}
     for the engine layouts it writes besides our own."""
-    fast: Optional[Callable[[Any, Any, DraftOptions], Any]] = None
-    """Like `drafter`, for the fast path's chains (static caches, fixed shapes); None: the kind
-    decodes on the CPU path's decoder even where the fast path is on."""
-    fast_trees: bool = False
-    """Its fast drafter also proposes token trees on the fast path."""
 
     def trained_folder(self, runs_dir: str | Path, run: str) -> Path:
         if self.trained_by == "distill":
@@ -96,49 +93,11 @@ def _ngram(settings: Optional[NgramSettings], target, o: DraftOptions):
     return NgramDrafter(*lengths, o.temperature, target.config.vocab_size)
 
 
-def _draft_model(module, target, o: DraftOptions):
+def _draft_model(module, target, o: DraftOptions, name: str = "draft_model"):
     from pipeline.decode import ModelDrafter
 
-    return ModelDrafter(module, o.temperature, o.top_p, o.generator, confidence_threshold=o.confidence_threshold)
-
-
-def _fast_ngram(settings: Optional[NgramSettings], target, o: DraftOptions):
-    from pipeline.decode.ngram import FastNgramDrafter
-
-    lengths = (settings.ngram_max, settings.ngram_min) if settings is not None else (o.ngram_max, o.ngram_min)
-    return FastNgramDrafter(*lengths, o.temperature, target.config.vocab_size)
-
-
-def _fast_draft_model(module, target, o: DraftOptions):
-    from pipeline.decode.draft_model import FastModelDrafter
-
-    return FastModelDrafter(module, o.temperature, o.top_p, o.generator,
-                            confidence_threshold=o.confidence_threshold, graphs=o.graphs)
-
-
-def _fast_medusa(module, target, o: DraftOptions):
-    from pipeline.decode.medusa import FastMedusaDrafter
-
-    return FastMedusaDrafter(_medusa(module, target, o))
-
-
-def _fast_eagle(module, target, o: DraftOptions):
-    from pipeline.decode.eagle import FastEagleDrafter
-
-    return FastEagleDrafter(module, target.config.vocab_size, o.temperature, o.top_p, o.generator,
-                            confidence_threshold=o.confidence_threshold, graphs=o.graphs, tree_depth=o.tree_depth,
-                            tree_topk=o.tree_topk)
-
-
-def _fast_early_exit(module, target, o: DraftOptions):
-    from pipeline.decode.draft_model import FastModelDrafter
-    from pipeline.decode.static_kv import use_static_attention
-    from pipeline.heads.models import early_exit_model
-
-    draft = early_exit_model(target, module)  # shares the target's first layers (and their attention setting)
-    use_static_attention(draft)
-    return FastModelDrafter(draft, o.temperature, o.top_p, o.generator, name="early_exit",
-                            confidence_threshold=o.confidence_threshold, graphs=o.graphs)
+    return ModelDrafter(module, o.temperature, o.top_p, o.generator, name=name,
+                        confidence_threshold=o.confidence_threshold, graphs=o.graphs, fixed_shapes=o.fixed_shapes)
 
 
 def _medusa(module, target, o: DraftOptions):
@@ -152,15 +111,15 @@ def _eagle(module, target, o: DraftOptions):
     from pipeline.decode import EagleDrafter
 
     return EagleDrafter(module, target.config.vocab_size, o.temperature, o.top_p, o.generator,
-                        tree_depth=o.tree_depth, tree_topk=o.tree_topk, confidence_threshold=o.confidence_threshold)
+                        confidence_threshold=o.confidence_threshold, graphs=o.graphs, tree_depth=o.tree_depth,
+                        tree_topk=o.tree_topk, fixed_shapes=o.fixed_shapes)
 
 
 def _early_exit(module, target, o: DraftOptions):
-    from pipeline.decode import ModelDrafter
     from pipeline.heads.models import early_exit_model
 
-    return ModelDrafter(early_exit_model(target, module), o.temperature, o.top_p, o.generator, name="early_exit",
-                        confidence_threshold=o.confidence_threshold)
+    # The target's first layers and an adapter: a draft model sharing the target's weights.
+    return _draft_model(early_exit_model(target, module), target, o, name="early_exit")
 
 
 def _load_draft(folder: Path, target):
@@ -191,20 +150,18 @@ def _eagle_formats(head, target, base: str, num_draft_tokens: int, folder: Path)
 
 
 KINDS: dict[str, Kind] = {
-    "ngram": Kind("ngram", None, _ngram, describe="prompt lookup (n-gram) drafting, no weights", fast=_fast_ngram),
+    "ngram": Kind("ngram", None, _ngram, describe="prompt lookup (n-gram) drafting, no weights"),
     "draft_model": Kind("draft_model", "distill", _draft_model, load=_load_draft, weights="checkpoint",
-                        bundle_folder="draft", int8=True, stops_early=True, describe="draft model",
-                        fast=_fast_draft_model),
+                        bundle_folder="draft", int8=True, stops_early=True, describe="draft model"),
     "medusa": Kind("medusa", "heads", _medusa, load=_load_heads, bundle_folder="heads", trees=True, int8=True,
                    describe="Medusa heads on the target's own hidden states",
-                   settings=("medusa_num_heads", "medusa_num_layers"), formats=_medusa_formats, fast=_fast_medusa,
-                   fast_trees=True),
+                   settings=("medusa_num_heads", "medusa_num_layers"), formats=_medusa_formats),
     "eagle": Kind("eagle", "heads", _eagle, load=_load_heads, bundle_folder="heads", trees=True, stops_early=True,
                   describe="EAGLE head on the target's own hidden states", settings=("feature_layers", "ttt_steps"),
-                  formats=_eagle_formats, fast=_fast_eagle, fast_trees=True),
+                  formats=_eagle_formats),
     "early_exit": Kind("early_exit", "heads", _early_exit, load=_load_heads, bundle_folder="heads", stops_early=True,
                        describe="early-exit adapter on the target's own hidden states",
-                       settings=("exit_layer", "adapter_rank"), fast=_fast_early_exit),
+                       settings=("exit_layer", "adapter_rank")),
 }
 assert tuple(KINDS) == METHODS, "pipeline.config.METHODS and the registry list the same kinds"
 HEAD_KINDS = tuple(name for name, kind in KINDS.items() if kind.trained_by == "heads")

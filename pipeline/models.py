@@ -48,8 +48,8 @@ class Target:
 
     @property
     def split(self) -> bool:
-        """Loaded over several devices (target.device_map=auto): the fast path, which assumes
-        one device, is not taken."""
+        """Loaded over several devices (target.device_map=auto): our decoder keeps each layer's
+        cache on its device and runs without CUDA graphs."""
         return len(set(getattr(self.model, "hf_device_map", {}).values())) > 1
 
 

@@ -73,15 +73,30 @@ def test_pipeline_imports_form_a_dag():
 
 def test_decode_imports_only_downward():
     """types at the bottom, then cache and sampling, then the drafters, then the loops."""
-    order = ["types", "kv", "static_kv", "sampling", "chain", "ngram", "draft_model", "medusa", "eagle", "prepare",
-             "decoder", "fast", "tree"]
+    order = ["types", "static_kv", "sampling", "chain", "ngram", "draft_model", "medusa", "eagle", "prepare", "decoder",
+             "tree"]
     graph = import_graph()
+    assert {m for m in graph if m.startswith("pipeline.decode.")} == {f"pipeline.decode.{m}" for m in order}
     for i, name in enumerate(order):
         below = {f"pipeline.decode.{m}" for m in order[:i]}
         ours = {m for m in graph[f"pipeline.decode.{name}"] if m.startswith("pipeline.decode")}
         assert ours <= below, (name, ours - below)
     assert not any(m.startswith("pipeline.") and not m.startswith(("pipeline.decode", "pipeline.kernels"))
                    for name in order for m in graph[f"pipeline.decode.{name}"])
+
+
+def test_the_decoder_has_one_protocol_and_one_drafter_per_module():
+    """One decoding path: one Protocol (types.Drafter), and one drafter class in each drafter
+    module (early exit drafts as a model: draft_model.py)."""
+    def classes(module: str) -> list[ast.ClassDef]:
+        tree = ast.parse((PACKAGE / "decode" / f"{module}.py").read_text())
+        return [node for node in tree.body if isinstance(node, ast.ClassDef)]
+
+    protocols = [c.name for m in ("types", "static_kv", "chain", "decoder", "tree") for c in classes(m)
+                 if any(getattr(b, "id", "") == "Protocol" for b in c.bases)]
+    assert protocols == ["Drafter"]
+    for module in ("ngram", "draft_model", "medusa", "eagle"):
+        assert len([c for c in classes(module) if c.name.endswith("Drafter")]) == 1, module
 
 
 def test_kernels_are_the_bottom_of_the_house():

@@ -41,15 +41,14 @@ from typing import Callable, Optional
 import torch
 from tqdm.auto import tqdm
 
-from pipeline.config import Config, fast_path
+from pipeline.config import Config, use_graphs
 from pipeline.data.chat import (
     ANSWER_SENTINEL, encode, eos_token_ids, first_prompt_ids, load_chat_data, next_turn_ids,
 )
 from pipeline.data.server import FAILURES
 from pipeline.data.sources import Conversation, check_file
-from pipeline.decode.decoder import plain_decode
-from pipeline.decode.fast import continuous_decode
-from pipeline.decode.static_kv import StaticModel, use_static_attention
+from pipeline.decode.decoder import continuous_decode
+from pipeline.decode.static_kv import StaticModel
 from pipeline.distributed import process_state
 from pipeline.errors import PipelineError
 from pipeline.models import Target, load_target
@@ -66,53 +65,37 @@ STAGE = "generate"
 
 @torch.inference_mode()
 def generate_answers(
-    model,
+    target: StaticModel,
     contexts: list[list[int]],
     *,
     max_new_tokens: int,
     temperature: float,
     top_p: float,
-    pad_id: int,
     eos_ids: set[int],
     batch_size: int,
     topk: int = 0,
     on_batch: Optional[Callable[[int, int], None]] = None,
-    fast: Optional[StaticModel] = None,
 ) -> tuple[list[list[int]], list[Optional[tuple[torch.Tensor, torch.Tensor]]]]:
     """The target's answer to each context (ending at its end-of-turn token, if it gave one),
-    longest contexts batched together; with topk > 0 also the target's top-k logits at each
-    answer token (ids [G, k] int32, logits [G, k]), read off the logits decoding chose it from.
+    longest contexts first; with topk > 0 also the target's top-k logits at each answer token
+    (ids [G, k] int32, logits [G, k]), read off the logits decoding chose it from.
 
-    Decoding is our own plain decoder's (pipeline.decode), which follows the decoder's
-    contract (temperature and top-p only) and gives transformers' batched generate's greedy
-    outputs, faster (`make bench-generate` compares them): its key/value cache is written in
-    place, and a finished row leaves the batch instead of decoding padding until the longest
-    answer ends. With `fast` (generate.cuda_graphs) the fast path decodes them instead, with
-    continuous batching: batch_size rows at a time, a finished row refilled from the queue.
+    Decoding is our own decoder's (pipeline.decode), which follows the decoder's contract
+    (temperature and top-p only) and gives transformers' batched generate's greedy outputs,
+    faster (`make bench-generate` compares them), with continuous batching: batch_size rows at
+    a time, a finished row refilled from the queue.
     """
     order = sorted(range(len(contexts)), key=lambda i: len(contexts[i]), reverse=True)
     answers: list[list[int]] = [[] for _ in contexts]
     scores: list[Optional[tuple[torch.Tensor, torch.Tensor]]] = [None for _ in contexts]
-    if fast is not None:
-        done = (lambda _, tokens: on_batch(1, len(tokens))) if on_batch else None
-        out = continuous_decode(fast, [contexts[i] for i in order], batch_size=batch_size,
-                                max_new_tokens=max_new_tokens, eos_ids=eos_ids, temperature=temperature,
-                                top_p=top_p, topk=topk, on_done=done)
-        for row, i in enumerate(order):
-            answers[i] = out.tokens[row]
-            if topk:
-                scores[i] = (out.topk_ids[row], out.topk_logits[row])
-        return answers, scores
-    for start in range(0, len(order), batch_size):
-        idx = order[start : start + batch_size]
-        out = plain_decode(model, [contexts[i] for i in idx], max_new_tokens=max_new_tokens, eos_ids=eos_ids,
-                           pad_id=pad_id, temperature=temperature, top_p=top_p, topk=topk)
-        for row, i in enumerate(idx):
-            answers[i] = out.tokens[row]
-            if topk:
-                scores[i] = (out.topk_ids[row], out.topk_logits[row])
-        if on_batch:
-            on_batch(len(idx), sum(len(answers[i]) for i in idx))
+    done = (lambda _, tokens: on_batch(1, len(tokens))) if on_batch else None
+    out = continuous_decode(target, [contexts[i] for i in order], batch_size=batch_size,
+                            max_new_tokens=max_new_tokens, eos_ids=eos_ids, temperature=temperature,
+                            top_p=top_p, topk=topk, on_done=done)
+    for row, i in enumerate(order):
+        answers[i] = out.tokens[row]
+        if topk:
+            scores[i] = (out.topk_ids[row], out.topk_logits[row])
     return answers, scores
 
 
@@ -175,7 +158,7 @@ def regenerate(
     topk: int = 0,
     progress: Optional[Callable[[int, int], None]] = None,
     dropped: Optional[Counter] = None,
-    fast: Optional[StaticModel] = None,
+    static: Optional[StaticModel] = None,
 ) -> list[dict]:
     """Regenerate every turn of `conversations`; one row per conversation.
 
@@ -185,9 +168,11 @@ def regenerate(
     and whole conversations whose first turn does not fit). Conversations chosen by keeps_source_answers keep
     the source's answers instead (cut to max_new_tokens; they end where the source's do).
     With topk > 0 a regenerated row also gets topk_ids / topk_logits [answer tokens, k] (numpy
-    int32 / float16) from decoding; a source row gets them from topk_logits.
+    int32 / float16) from decoding; a source row gets them from topk_logits. `static`: the
+    target for our decoder (made here by default; pass one to keep its caches across calls).
     """
-    model, tokenizer = target.model, target.tokenizer
+    tokenizer = target.tokenizer
+    static = static if static is not None else StaticModel(target.model)
     eos_list = eos_token_ids(target.generation_config, tokenizer)
     eos_ids = set(eos_list)
     keep = [keeps_source_answers(c, target_answers) for c in conversations]
@@ -220,9 +205,8 @@ def regenerate(
         regen = [j for j, i in enumerate(prompts) if not keep[i]]
         generated = [[] for _ in prompts]
         answers_of_target, scores_of_target = generate_answers(
-            model, [contexts[j] for j in regen], max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-            pad_id=tokenizer.pad_token_id, eos_ids=eos_ids, batch_size=batch_size, topk=topk, on_batch=progress,
-            fast=fast,
+            static, [contexts[j] for j in regen], max_new_tokens=max_new_tokens, temperature=temperature,
+            top_p=top_p, eos_ids=eos_ids, batch_size=batch_size, topk=topk, on_batch=progress,
         ) if regen else ([], [])
         for j, answer, score in zip(regen, answers_of_target, scores_of_target):
             generated[j] = answer
@@ -548,11 +532,7 @@ def generate_locally(cfg: Config, target: Target, shards: dict[int, list[Convers
     """generate.backend=local: the shards' conversations decoded here (regenerate), one shard
     after the other, each written when done."""
     gen = cfg.generate
-    fast, graphs = (False, False) if target.split else fast_path(gen.cuda_graphs, target.device.type)
-    static = None
-    if fast:
-        use_static_attention(target.model)
-        static = StaticModel(target.model, graphs)
+    static = StaticModel(target.model, use_graphs(gen.cuda_graphs, target.device.type, target.split, "generate"))
     for s, convs in shards.items():
         # A shard's seed depends only on its index: a resumed or re-split run samples the same.
         torch.manual_seed(cfg.seed * 1_000_003 + s)
@@ -566,7 +546,7 @@ def generate_locally(cfg: Config, target: Target, shards: dict[int, list[Convers
             target, convs, max_new_tokens=gen.max_new_tokens, temperature=gen.temperature, top_p=gen.top_p,
             batch_size=gen.batch_size, max_length=gen.max_length, max_turns=cfg.data.max_turns,
             target_answers=gen.target_answers, topk=gen.save_topk_logits, progress=counted, dropped=dropped,
-            fast=static,
+            static=static,
         )
         if gen.save_topk_logits:
             scored = [r for r in rows if r["answers"] == "source"]

@@ -40,40 +40,19 @@ def chain_proposal(tokens: list[torch.Tensor], probs: list[Optional[torch.Tensor
     return Proposal(stacked, num, torch.stack(probs, dim=1) if probs[0] is not None else None)
 
 
-def draft_chain(drafter, logits: torch.Tensor, k: int, advance: Callable[[torch.Tensor], torch.Tensor],
-                to_target: Optional[torch.Tensor]) -> tuple[Proposal, int]:
-    """Draw up to k tokens per row autoregressively from the first logits [B, V_draft];
-    advance(token [B]) feeds a drawn token to the draft and returns its next logits.
+def draft_chain(drafter, logits: torch.Tensor, k: int, advance: Callable[[int, torch.Tensor], torch.Tensor],
+                to_target: Optional[torch.Tensor], fixed_shapes: bool) -> tuple[Proposal, int]:
+    """Draw k tokens per row autoregressively from the first logits [B, V_draft], at fixed
+    shapes: always k draws and k - 1 advances (advance(i, token [B]) feeds the i-th drawn token
+    and returns the next logits).
 
     The drafter's confidence_threshold > 0 ends a row's chain early (as transformers' assisted
     generation does): a token the draft gave less than that probability is the row's last
-    proposal, and drawing stops once every row has ended. Each skipped token saves a draft
-    step and a verified position that would likely be rejected; the stop depends only on the
-    draft's own distributions, so verification stays lossless. Returns the proposal and the
-    number of tokens drawn (all but the last were fed to the draft)."""
-    threshold = drafter.confidence_threshold
-    going = torch.ones(logits.shape[0], dtype=torch.bool, device=logits.device)  # rows still proposing
-    num = torch.zeros(logits.shape[0], dtype=torch.long, device=logits.device)
-    tokens, probs = [], []
-    for i in range(k):
-        token, q = draw(logits, drafter.temperature, drafter.top_p, drafter.generator, to_target, drafter.vocab_size)
-        tokens.append(token)
-        probs.append(q)
-        num += going
-        if threshold > 0:
-            going &= confidence(logits, token, q) >= threshold
-            if not going.any():
-                break
-        if i < k - 1:
-            logits = advance(token)
-    return chain_proposal(tokens, probs, num), len(tokens)
-
-
-def fixed_chain(drafter, logits: torch.Tensor, k: int, advance: Callable[[int, torch.Tensor], torch.Tensor],
-                to_target: Optional[torch.Tensor]) -> Proposal:
-    """draft_chain at fixed shapes (the fast path): always k draws and k - 1 advances
-    (advance(i, token [B]) feeds the i-th drawn token and returns the next logits); a row's
-    chain ends at its first unsure token by proposing fewer tokens, not by doing less work."""
+    proposal; the row proposes fewer tokens (the draft still does the work), so the target
+    verifies no position that would likely be rejected. The stop depends only on the draft's
+    own distributions, so verification stays lossless. Without `fixed_shapes` (no captured
+    shape to keep) drawing stops once every row has ended, the rest filler. Returns the proposal
+    and how many tokens were drawn (all but the last were fed to the draft)."""
     tokens, probs = [], []
     going = torch.ones(logits.shape[0], dtype=torch.bool, device=logits.device)
     num = torch.zeros(logits.shape[0], dtype=torch.long, device=logits.device)
@@ -84,9 +63,14 @@ def fixed_chain(drafter, logits: torch.Tensor, k: int, advance: Callable[[int, t
         num += going
         if drafter.confidence_threshold > 0:
             going &= confidence(logits, token, q) >= drafter.confidence_threshold
+            if not fixed_shapes and i < k - 1 and not going.any():
+                drawn = i + 1
+                tokens += [torch.zeros_like(token)] * (k - drawn)
+                probs += [None if q is None else torch.zeros_like(q)] * (k - drawn)
+                return chain_proposal(tokens, probs, num), drawn
         if i < k - 1:
             logits = advance(i, token)
-    return chain_proposal(tokens, probs, num)
+    return chain_proposal(tokens, probs, num), k
 
 
 def confidence(logits: torch.Tensor, token: torch.Tensor, q: Optional[torch.Tensor]) -> torch.Tensor:
@@ -95,10 +79,3 @@ def confidence(logits: torch.Tensor, token: torch.Tensor, q: Optional[torch.Tens
     if q is not None:
         return q.gather(1, token[:, None])[:, 0]
     return torch.softmax(logits.float(), dim=-1).amax(dim=-1)
-
-
-def last_kept(features: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
-    """Each row's features at its last kept position: [B, S, F], [B, S] -> [B, F]."""
-    s = kept.shape[1]
-    index = (kept.long() * torch.arange(1, s + 1, device=kept.device)).argmax(dim=1)
-    return features[torch.arange(features.shape[0], device=features.device), index]

@@ -1,141 +1,199 @@
-"""Plain and speculative decoding over a target model, batch size 1 or more.
+"""Our decoder: plain and speculative chain decoding over static KV caches, at fixed shapes,
+with the per-step work on the device; the same code on a CPU and on CUDA (where every forward
+replays a captured CUDA graph).
 
-The phases are free functions: `prefill` the prompts, then either `decode_one_token`
-repeatedly (plain) or `speculative_step` (draft, verify in one target pass, accept, roll the
-caches back). Both return a DecodeResult with the counts that τ and α are made of.
+Each row keeps its committed tokens (prompt + emitted) in a device buffer `tokens` [B, T]
+with its count in `lengths` [B]; the target's cache holds all but the last. A step:
 
-Conventions: a row's committed sequence is prompt + emitted tokens. The target's cache
-holds all of it but the last token, which opens the next forward's chunk.
+1. the drafter proposes k tokens per row from the device state (Drafter.propose);
+2. the target verifies [last, d_1..d_k] in one forward of width k+1 (a CUDA graph replay on
+   CUDA), each row at its own slots;
+3. the fused acceptance (pipeline/kernels/acceptance.py) gives each row's accepted length n
+   and next token; the accepted tokens and the next one are written into `tokens` and
+   `lengths` grows by n + 1, on the device: a rejected draft's cache slots are simply
+   written over by the next step;
+4. one small device->host copy of (n, emitted tokens) per step feeds the host's stopping
+   rules (end of turn, max_new_tokens) and the counts behind τ and α.
+
+Rows never leave the batch (shapes stay fixed): a finished row stops growing and its results
+are ignored. Greedy output equals the target's greedy decoding, sampled output is distributed
+as the target's (tests/decode/test_sampling.py).
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
-from pipeline.decode.kv import SlotCache, with_hidden_states
-from pipeline.decode.sampling import accept_greedy, accept_sampling, next_token, process_logits
-from pipeline.decode.types import DecodeResult, Drafter, Rows, left_pad
+from pipeline.decode.sampling import next_token, process_logits
+from pipeline.decode.static_kv import StaticModel
+from pipeline.decode.types import DecodeResult, Drafter, Rows, Sequences
+from pipeline.kernels.acceptance import accept_greedy, accept_sampling
 
 
-def prefill(kv: SlotCache, prompts: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """Cache the prompts [B, S] (left-padded, valid [B, S]); logits for the first new token. [B, V]"""
-    return kv.forward(prompts, valid, logits_to_keep=1)[:, -1]
-
-
-def target_pass(kv: SlotCache, tokens: torch.Tensor, valid: Optional[torch.Tensor] = None, logits_to_keep: int = 0,
-                feature_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """The target's logits on `tokens`, and the hidden states `feature_layers` (indices of
-    transformers' output_hidden_states) concatenated [B, S, n * H], or None when none are asked."""
-    if not feature_layers:
-        return kv.forward(tokens, valid, logits_to_keep), None
-    out = kv.run(tokens, valid, logits_to_keep, **with_hidden_states(feature_layers))
-    return out.logits, torch.cat([out.hidden_states[i] for i in feature_layers], dim=-1)
-
-
-def decode_one_token(kv: SlotCache, last: torch.Tensor) -> torch.Tensor:
-    """Cache `last` [B] and return the logits for the token after it. [B, V]"""
-    return kv.forward(last[:, None])[:, -1]
-
-
-@torch.inference_mode()
-def plain_decode(
-    model, prompts: list[list[int]], *, max_new_tokens: int, eos_ids: set[int], pad_id: int,
-    temperature: float = 0.0, top_p: float = 1.0, generator: Optional[torch.Generator] = None, topk: int = 0,
-) -> DecodeResult:
-    """One token per target pass. topk > 0 also keeps the target's top-k raw logits at every
-    emitted token (a distillation teacher for free: no second, teacher-forced pass)."""
-    device = next(model.parameters()).device
-    tokens, valid = left_pad(prompts, pad_id, device)
-    kv = SlotCache(model, len(prompts), device)
-    rows = Rows(prompts, max_new_tokens, eos_ids)
-    top: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in prompts]
-    logits = prefill(kv, tokens, valid)
-    while True:
-        last = next_token(logits, temperature, top_p, generator)  # [B]
-        if topk:
-            values, ids = logits.float().topk(topk, dim=-1)  # [B, k]
-            for r, i in enumerate(rows.active):
-                top[i].append((ids[r], values[r]))
-        keep = rows.drop([rows.emit(r, [t]) for r, t in enumerate(last.tolist())])
-        if not rows.active:
-            break
-        if keep is not None:
-            kv.select_rows(keep.to(device))
-            last = last[keep.to(device)]
-        logits = decode_one_token(kv, last)
-    result = DecodeResult(rows.out, rows.passes)
-    if topk:
-        result.topk_ids = [torch.stack([i for i, _ in row]).to(torch.int32).cpu() for row in top]
-        result.topk_logits = [torch.stack([v for _, v in row]).cpu() for row in top]
-    return result
-
-
-def speculative_step(
-    kv: SlotCache, drafter: Drafter, rows: Rows, last: torch.Tensor, num_draft_tokens: int,
-    temperature: float, top_p: float, generator: Optional[torch.Generator],
-):
-    """Draft, verify with one target pass, accept, roll back. Returns (num_accepted, emitted, next_last)."""
-    proposal = drafter.propose(rows.live_seqs(), num_draft_tokens)
-    # Verify only as many positions as some row proposed: no match anywhere is a plain step.
-    k = int(proposal.num_proposed.max())
-    draft = proposal.tokens[:, :k]  # [B, K]
-    chunk = torch.cat([last[:, None], draft], dim=1)
-    logits, features = target_pass(kv, chunk, feature_layers=getattr(drafter, "feature_layers", ()))  # [B, K+1, V]
-    if temperature == 0:
-        num_accepted, new = accept_greedy(draft, proposal.num_proposed, logits)
-    else:
-        p = process_logits(logits, temperature, top_p)
-        q = proposal.probs[:, :k]
-        num_accepted, new = accept_sampling(draft, proposal.num_proposed, q, p, generator)
-    # The target keeps `last` and the accepted drafts; the next chunk starts with `new`.
-    keep = torch.arange(k + 1, device=draft.device)[None, :] <= num_accepted[:, None]
-    kv.keep_last(keep)
-    if features is not None:  # heads read the target's hidden states of the kept positions
-        drafter.observe(features, keep)
-    drafter.accepted(num_accepted)
-    return proposal.num_proposed, num_accepted, draft, new
+def plain_decode(target: StaticModel, prompts: list[list[int]], **settings) -> DecodeResult:
+    """One token per target pass (speculative_decode without a drafter)."""
+    return speculative_decode(target, None, prompts, num_draft_tokens=0, **settings)
 
 
 @torch.inference_mode()
 def speculative_decode(
-    model, drafter: Drafter, prompts: list[list[int]], *, num_draft_tokens: int, max_new_tokens: int,
-    eos_ids: set[int], pad_id: int, temperature: float = 0.0, top_p: float = 1.0,
+    target: StaticModel, drafter: Optional[Drafter], prompts: list[list[int]], *, num_draft_tokens: int,
+    max_new_tokens: int, eos_ids: set[int], temperature: float = 0.0, top_p: float = 1.0,
     generator: Optional[torch.Generator] = None,
 ) -> DecodeResult:
-    """Lossless speculative decoding: greedy output equals the target's greedy output, and
-    sampled output is distributed as the target's (see sampling.accept_sampling)."""
-    device = next(model.parameters()).device
-    tokens, valid = left_pad(prompts, pad_id, device)
-    kv = SlotCache(model, len(prompts), device)
-    drafter.start(tokens, valid)
+    """Lossless speculative decoding of chains (plain decoding where drafter is None)."""
+    k = num_draft_tokens if drafter is not None else 0
+    device, b = target.device, len(prompts)
+    max_len = max(map(len, prompts)) + max_new_tokens + k + 2
+    target.ready(b, max_len)
+    seqs = Sequences(torch.zeros((b, target.max_len), dtype=torch.long, device=device),
+                     torch.tensor([len(p) for p in prompts], device=device))
+    for row, p in enumerate(prompts):
+        seqs.tokens[row, : len(p)] = torch.tensor(p, dtype=torch.long)
     rows = Rows(prompts, max_new_tokens, eos_ids)
-    k = num_draft_tokens
-    proposed_at, accepted_at = [0] * k, [0] * k
-    # The prefill is the first target pass and yields the first token.
-    layers = getattr(drafter, "feature_layers", ())
-    logits, features = target_pass(kv, tokens, valid, logits_to_keep=1, feature_layers=layers)
-    if features is not None:
-        drafter.observe(features, valid)
-    last = next_token(logits[:, -1], temperature, top_p, generator)
-    finished = [rows.emit(r, [t]) for r, t in enumerate(last.tolist())]
-    while True:
-        keep = rows.drop(finished)
-        if not rows.active:
+    layers = tuple(getattr(drafter, "feature_layers", ()))  # target hidden states the drafter reads
+    out = target.prefill(seqs.tokens, seqs.lengths, layers)
+    logits, features = out if layers else (out, None)
+    first = next_token(logits, temperature, top_p, generator)  # [B]
+    prompt_lengths = seqs.lengths.clone()
+    seqs.tokens.scatter_(1, seqs.lengths[:, None], first[:, None])
+    seqs.lengths += 1
+    done = [rows.emit(r, [t]) for r, t in enumerate(first.tolist())]
+    if drafter is not None:
+        drafter.start(seqs, target.max_len)
+    if features is not None:  # every prompt position, then each pass's kept ones
+        drafter.observe(features, torch.zeros_like(prompt_lengths), prompt_lengths)
+    result = DecodeResult(rows.out, rows.passes, [0] * k, [0] * k)  # every draft position, verified or not
+    active = torch.tensor([not d for d in done], device=device)
+    while not all(done):
+        proposal = drafter.propose(seqs, k) if drafter is not None else None
+        width = k  # draft tokens verified: all k at fixed shapes, else as many as some row proposed
+        if proposal is not None and not target.fixed_shapes:
+            width = int(proposal.num_proposed.max())
+        verify, inputs = target.replay(width + 1, layers=layers)
+        chunk, positions, start = inputs.tokens, inputs.positions, inputs.start
+        columns = torch.arange(width + 1, device=device)
+        start.copy_(seqs.lengths - 1)  # the target's cache holds all but the last committed token
+        positions.copy_(start[:, None] + columns)
+        chunk[:, :1] = seqs.tokens.gather(1, start[:, None])
+        if proposal is not None:
+            draft, num_proposed = proposal.tokens[:, :width], proposal.num_proposed
+            chunk[:, 1:] = draft
+        else:
+            draft = chunk[:, 1:]
+            num_proposed = torch.zeros(b, dtype=torch.long, device=device)
+        out = verify()  # logits [B, width+1, V] (and the drafter's features [B, width+1, F])
+        logits, features = out if layers else (out, None)
+        if temperature == 0:
+            num_accepted, new = accept_greedy(draft, num_proposed, logits)
+        else:
+            p = process_logits(logits, temperature, top_p)
+            q = proposal.probs[:, :width] if proposal is not None else p.new_zeros((b, 0, p.shape[-1]))
+            u = torch.rand((b, width), generator=generator, device=device)
+            num_accepted, new = accept_sampling(draft, num_proposed, q, p, u,
+                                                torch.rand(b, generator=generator, device=device))
+        # d_1..d_n then the next token, written after each row's committed tokens.
+        emitted = torch.cat([draft, new[:, None]], dim=1).scatter(1, num_accepted[:, None], new[:, None])
+        slots = (seqs.lengths[:, None] + columns).clamp(max=target.max_len - 1)
+        seqs.tokens.scatter_(1, slots, emitted)
+        seqs.lengths += (num_accepted + 1) * active
+        if features is not None:  # the target kept `last` and the accepted drafts
+            drafter.observe(features, start, num_accepted + 1)
+        if drafter is not None:
+            drafter.accepted(seqs, num_accepted)
+        host = torch.cat([num_accepted[:, None], num_proposed[:, None], emitted], dim=1).tolist()  # the one sync
+        for r, (n_acc, n_prop, *tokens) in enumerate(host):
+            if done[r]:
+                continue
+            result.count(min(n_acc + 1, n_prop), n_acc)
+            if rows.emit(r, tokens[: n_acc + 1]):
+                done[r] = True
+                active[r] = False
+    return result
+
+
+@torch.inference_mode()
+def continuous_decode(
+    target: StaticModel, prompts: list[list[int]], *, batch_size: int, max_new_tokens: int, eos_ids: set[int],
+    temperature: float = 0.0, top_p: float = 1.0, generator: Optional[torch.Generator] = None, topk: int = 0,
+    refill_fraction: float = 0.25, on_done: Optional[Callable[[int, list[int]], None]] = None,
+) -> DecodeResult:
+    """Plain decoding of many prompts through a fixed batch of rows (continuous batching): a row
+    whose answer ended takes the next prompt from the queue instead of the batch shrinking, so
+    every step is the same captured forward at full width.
+
+    Free rows are refilled together once `refill_fraction` of the batch is free (or nothing
+    else is decoding): their prompts are prefilled in one forward and copied into their
+    cache slots. topk > 0 also keeps the target's top-k raw logits at every emitted token (a
+    distillation teacher for free: no second, teacher-forced pass). on_done(prompt index, its
+    tokens) is called as each answer ends.
+    """
+    n, b = len(prompts), min(batch_size, len(prompts))
+    target.ready(b, max(map(len, prompts)) + max_new_tokens + 2)
+    device = target.device
+    seqs = Sequences(torch.zeros((b, target.max_len), dtype=torch.long, device=device),
+                     torch.ones(b, dtype=torch.long, device=device))
+    owner = [-1] * b  # the prompt each row decodes (-1: free)
+    out: list[list[int]] = [[] for _ in prompts]
+    top: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in prompts]
+    queue = list(range(n))[::-1]  # popped from the end: prompts in order
+    logits = torch.zeros((b, target.model.config.vocab_size), device=device, dtype=target.dtype)
+    alive = torch.zeros(b, dtype=torch.bool, device=device)
+    step, inputs = target.replay(1)
+    chunk, positions, start = inputs.tokens, inputs.positions, inputs.start
+
+    def refill(rows: list[int]) -> None:
+        taken = [queue.pop() for _ in rows[: len(queue)]]
+        rows = rows[: len(taken)]
+        index = torch.tensor(rows, device=device)
+        lengths = torch.tensor([len(prompts[i]) for i in taken], device=device)
+        padded = torch.zeros((len(rows), int(lengths.max())), dtype=torch.long)
+        for j, i in enumerate(taken):
+            padded[j, : len(prompts[i])] = torch.tensor(prompts[i], dtype=torch.long)
+            owner[rows[j]] = i
+        padded = padded.to(device)
+        seqs.tokens[index, : padded.shape[1]] = padded
+        seqs.lengths[index] = lengths
+        logits[index] = target.prefill_rows(index, padded, lengths).to(logits.dtype)
+        alive[index] = True
+
+    refill(list(range(b)))
+    while any(o >= 0 for o in owner):
+        drawn = next_token(logits, temperature, top_p, generator)  # [B]
+        if topk:
+            values, ids = logits.float().topk(topk, dim=-1)  # [B, k]
+            values, ids = values.cpu(), ids.to(torch.int32).cpu()
+        seqs.tokens.scatter_(1, seqs.lengths[:, None], drawn[:, None])
+        seqs.lengths += alive
+        free = []
+        for r, token in enumerate(drawn.tolist()):  # the step's one sync
+            i = owner[r]
+            if i < 0:
+                continue
+            out[i].append(token)
+            if topk:
+                top[i].append((ids[r], values[r]))
+            if token in eos_ids or len(out[i]) >= max_new_tokens:
+                owner[r] = -1
+                free.append(r)
+                if on_done is not None:
+                    on_done(i, out[i])
+        if free:
+            alive[torch.tensor(free, device=device)] = False
+        if not any(o >= 0 for o in owner) and not queue:
             break
-        if keep is not None:
-            keep = keep.to(device)
-            kv.select_rows(keep)
-            drafter.select_rows(keep)
-            last = last[keep]
-        num_proposed, num_accepted, draft, new = speculative_step(
-            kv, drafter, rows, last, k, temperature, top_p, generator)
-        finished = []
-        for r, (n_prop, n_acc) in enumerate(zip(num_proposed.tolist(), num_accepted.tolist())):
-            for i in range(min(n_acc + 1, n_prop)):  # position i was verified
-                proposed_at[i] += 1
-                accepted_at[i] += i < n_acc
-            finished.append(rows.emit(r, draft[r, :n_acc].tolist() + [int(new[r])]))
-        last = new
-    return DecodeResult(rows.out, rows.passes, proposed_at, accepted_at)
+        if any(o >= 0 for o in owner):  # the next token's logits of every row still decoding
+            start.copy_(seqs.lengths - 1)
+            positions.copy_(start[:, None])
+            chunk.copy_(seqs.tokens.gather(1, start[:, None]))
+            logits.copy_(step()[:, -1])
+        empty = [r for r in range(b) if owner[r] < 0]
+        if queue and empty and (len(empty) >= refill_fraction * b or len(empty) == b):
+            refill(empty)
+    result = DecodeResult(out, [len(o) for o in out])
+    if topk:
+        result.topk_ids = [torch.stack([i for i, _ in row]) for row in top]
+        result.topk_logits = [torch.stack([v for _, v in row]) for row in top]
+    return result

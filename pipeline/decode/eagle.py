@@ -6,145 +6,15 @@ from typing import Optional
 
 import torch
 
-from pipeline.decode.chain import draft_chain, fixed_chain
-from pipeline.decode.kv import SlotCache
+from pipeline.decode.chain import draft_chain
 from pipeline.decode.static_kv import StaticModel, StaticStep, static_forward, use_static_attention
 from pipeline.decode.types import Proposal, Sequences, TreeProposal
 
 
 class EagleDrafter:
-    """An EAGLE head drafting autoregressively from the target's features.
-
-    Head position t reads (target feature of t, token t+1). The target's features arrive for
-    every position it keeps; before drafting, the head consumes those still pending (their
-    next tokens are known by then), then drafts k tokens feeding back its own feature. Its
-    draft entries are dropped from its cache before the next round.
-    """
-
-    name = "eagle"
-
-    def __init__(self, head, vocab_size: int, temperature: float = 0.0, top_p: float = 1.0,
-                 generator: Optional[torch.Generator] = None, tree_depth: int = 5, tree_topk: int = 4,
-                 confidence_threshold: float = 0.0):
-        self.head, self.vocab_size = head, vocab_size
-        self.confidence_threshold = confidence_threshold
-        self.tree_depth, self.tree_topk = tree_depth, tree_topk
-        self.temperature, self.top_p, self.generator = temperature, top_p, generator
-        self.feature_layers = head.feature_layers
-
-    def start(self, prompts: torch.Tensor, prompt_valid: torch.Tensor) -> None:
-        self.kv = SlotCache(self.head, prompts.shape[0], prompts.device)
-        self.pending: list[list[torch.Tensor]] = [[] for _ in range(prompts.shape[0])]
-        self.drafted = 0
-
-    def observe(self, features: torch.Tensor, kept: torch.Tensor) -> None:
-        for row in range(features.shape[0]):
-            self.pending[row].append(features[row][kept[row]])
-
-    def _catch_up(self, seqs: list[list[int]]):
-        """Drop the last round's drafts and feed the pending target features; the head's output
-        at the last one (its logits predict the first draft token)."""
-        device = self.kv.valid.device
-        if self.drafted:
-            self.kv.keep_last(torch.zeros((len(seqs), self.drafted), dtype=torch.bool, device=device))
-            self.drafted = 0
-        # Pending features are of positions n-1-m .. n-2 of a row's n tokens; their next tokens
-        # are the row's last m. Right-aligned, fillers masked.
-        new = [torch.cat(chunks) for chunks in self.pending]
-        width = max(len(f) for f in new)
-        feats = new[0].new_zeros((len(seqs), width, new[0].shape[-1]))
-        ids = torch.zeros((len(seqs), width), dtype=torch.long)
-        valid = torch.zeros((len(seqs), width), dtype=torch.bool)
-        for row, (f, seq) in enumerate(zip(new, seqs)):
-            m = len(f)
-            feats[row, width - m:] = f
-            ids[row, width - m:] = torch.tensor(seq[len(seq) - m:], dtype=torch.long)
-            valid[row, width - m:] = True
-        self.pending = [[] for _ in seqs]
-        return self.kv.run(ids.to(device), valid.to(device), logits_to_keep=1, features=self.head.fuse(feats))
-
-    def propose(self, seqs: list[list[int]], num_draft_tokens: int) -> Proposal:
-        k = num_draft_tokens
-        out = self._catch_up(seqs)
-        hidden = out.hidden[:, -1:]
-
-        def advance(token: torch.Tensor) -> torch.Tensor:
-            nonlocal hidden
-            step = self.kv.run(token[:, None], features=hidden)
-            hidden = step.hidden[:, -1:]
-            return step.logits[:, -1]
-
-        proposal, drawn = draft_chain(self, out.logits[:, -1], k, advance, self.head.draft_to_target)
-        self.drafted = drawn - 1
-        return proposal
-
-    def propose_tree(self, seq: list[int], budget: int):
-        """An EAGLE-2 dynamic tree: from the root, expand the `tree_topk` most probable nodes of
-        each depth (cumulative draft log-probability) with their `tree_topk` best children,
-        for `tree_depth` depths; keep the `budget` most probable nodes."""
-        out = self._catch_up([seq])
-        topk, to_target = self.tree_topk, self.head.draft_to_target
-        device = out.logits.device
-        committed = self.kv.valid.shape[1]
-        scores, parents, tokens, depths = [], [], [], []  # every candidate node
-        fed_slot: dict[int, int] = {}  # node -> its slot among the head's tree entries
-        fed_hidden: dict[int, torch.Tensor] = {}
-
-        def add_children(logits: torch.Tensor, parent: int, base: float) -> list[int]:
-            logp = torch.log_softmax(logits.float(), dim=-1).topk(min(topk, logits.shape[-1]))
-            new = []
-            for value, index in zip(logp.values.tolist(), logp.indices.tolist()):
-                new.append(len(scores))
-                scores.append(base + value)
-                parents.append(parent)
-                tokens.append(index)
-                depths.append(1 if parent < 0 else depths[parent] + 1)
-            return new
-
-        frontier = add_children(out.logits[0, -1], -1, 0.0)
-        root_hidden = out.hidden[0, -1]
-        for depth in range(1, self.tree_depth):
-            expand = sorted(frontier, key=lambda n: -scores[n])[:topk]
-            m, fed = len(expand), len(fed_slot)
-            allowed = torch.zeros((m, committed + fed + m), dtype=torch.bool, device=device)
-            allowed[:, :committed] = True
-            for row, node in enumerate(expand):
-                ancestor = parents[node]
-                while ancestor >= 0:
-                    allowed[row, committed + fed_slot[ancestor]] = True
-                    ancestor = parents[ancestor]
-                allowed[row, committed + fed + row] = True
-            feats = torch.stack([root_hidden if parents[n] < 0 else fed_hidden[parents[n]] for n in expand])[None]
-            ids = to_target[torch.tensor([tokens[n] for n in expand], device=device)][None]
-            positions = torch.full((m,), committed - 1 + depth, device=device)
-            step = self.kv.run_masked(ids, allowed, positions, features=feats)
-            frontier = []
-            for row, node in enumerate(expand):
-                fed_slot[node] = fed + row
-                fed_hidden[node] = step.hidden[0, row]
-                frontier += add_children(step.logits[0, row], node, scores[node])
-        self.drafted = len(fed_slot)
-        # The budget's most probable nodes; a child never scores above its parent, and ties go
-        # to the shallower node, so every chosen node's ancestors are chosen too.
-        chosen = sorted(sorted(range(len(scores)), key=lambda n: (-scores[n], depths[n]))[:budget],
-                        key=lambda n: (depths[n], n))
-        position = {n: i for i, n in enumerate(chosen)}
-        return TreeProposal(to_target[torch.tensor([tokens[n] for n in chosen], device=device)],
-                            torch.tensor([position[parents[n]] if parents[n] >= 0 else -1 for n in chosen],
-                                         device=device))
-
-    def accepted(self, num_accepted: torch.Tensor) -> None:
-        pass  # every draft entry is dropped before the next round
-
-    def select_rows(self, rows: torch.Tensor) -> None:
-        self.kv.select_rows(rows)
-        self.pending = [self.pending[i] for i in rows.tolist()]
-
-
-class FastEagleDrafter:
-    """An EAGLE head on the fast path: its own static cache, one catch-up forward of the target
-    positions the last pass kept (k+1 wide, fixed; replayed from a graph on CUDA) and k - 1
-    single-token steps feeding back its own features.
+    """An EAGLE head drafting autoregressively from the target's features: its own static cache,
+    one catch-up forward of the target positions the last pass kept (k+1 wide, fixed; replayed
+    from a graph on CUDA) and k - 1 single-token steps feeding back its own features.
 
     Head position t reads (target feature of t, token t+1); the head's cache holds every
     position the target kept before the last pass. The catch-up writes the kept ones (and
@@ -154,14 +24,15 @@ class FastEagleDrafter:
 
     def __init__(self, head, vocab_size: int, temperature: float = 0.0, top_p: float = 1.0,
                  generator: Optional[torch.Generator] = None, confidence_threshold: float = 0.0,
-                 graphs: bool = False, tree_depth: int = 5, tree_topk: int = 4):
+                 graphs: bool = False, tree_depth: int = 5, tree_topk: int = 4,
+                 fixed_shapes: Optional[bool] = None):
         self.head, self.vocab_size = head, vocab_size
         self.temperature, self.top_p, self.generator = temperature, top_p, generator
         self.confidence_threshold = confidence_threshold
         self.tree_depth, self.tree_topk = tree_depth, tree_topk
         self.feature_layers = head.feature_layers
         use_static_attention(head.decoder)
-        self.static = StaticModel(head, graphs)
+        self.static = StaticModel(head, graphs, fixed_shapes)
         self.size = head.config.hidden_size
 
     def start(self, seqs: Sequences, max_len: int) -> None:
@@ -175,23 +46,30 @@ class FastEagleDrafter:
         """Feed the pending target positions; the head's logits and output feature at the last
         kept one of each row ([B, V_draft], [B, H])."""
         features, first, count = self.pending
+        fixed = self.static.fixed_shapes
+        if not fixed:  # only the kept positions
+            features = features[:, : int(count.max())]
         b, width = features.shape[:2]
         columns = torch.arange(width, device=first.device)
         positions = first[:, None] + columns
         ids = seqs.tokens.gather(1, (positions + 1).clamp(max=seqs.tokens.shape[1] - 1))  # token t+1 at t
         fused = self.head.fuse(features)
-        if width == self.width:  # a pass of the target: the captured catch-up
+        rows = torch.arange(b, device=first.device)
+        if fixed and width == self.width:  # a pass of the target: the captured catch-up
             replay, inputs = self.static.replay(width, feature_width=self.size)
             inputs.tokens.copy_(ids)
             inputs.positions.copy_(positions)
             inputs.start.copy_(first)
             inputs.features.copy_(fused)
             logits, hidden = replay()
-        else:  # the prompts, once per call
-            out = static_forward(self.head, ids, positions, StaticStep(self.static.cache, first), features=fused)
-            logits, hidden = out.logits, out.hidden
-        rows = torch.arange(b, device=first.device)
-        return logits[rows, count - 1], hidden[rows, count - 1]
+            return logits[rows, count - 1], hidden[rows, count - 1]
+        # The prompts (once per call); without fixed shapes every pass, at batch 1 the last logits alone.
+        last = not fixed and b == 1
+        step = StaticStep(self.static.cache, first, visible=None if self.static.graphs else int(first.max()) + width)
+        out = static_forward(self.head, ids, positions, step, logits_to_keep=int(last), features=fused)
+        if last:  # the head's output at the last position alone
+            return out.logits[:, -1], out.hidden[:, -1]
+        return out.logits[rows, count - 1], out.hidden[rows, count - 1]
 
     def propose(self, seqs: Sequences, num_draft_tokens: int) -> Proposal:
         self.width = num_draft_tokens + 1
@@ -209,14 +87,15 @@ class FastEagleDrafter:
             hidden = out[:, -1]
             return logits[:, -1]
 
-        return fixed_chain(self, logits, num_draft_tokens, advance, self.head.draft_to_target)
+        return draft_chain(self, logits, num_draft_tokens, advance, self.head.draft_to_target,
+                           self.static.fixed_shapes)[0]
 
     def propose_tree(self, seqs: Sequences, budget: int) -> TreeProposal:
-        """EagleDrafter.propose_tree on the device (batch size 1), at fixed shapes: the same
-        EAGLE-2 tree (the `tree_topk` most probable nodes of each depth expanded with their
-        `tree_topk` best children, `tree_depth` depths, the `budget` most probable nodes kept),
-        each depth's expansion one captured head forward whose nodes see the committed cache and
-        their own ancestors."""
+        """An EAGLE-2 dynamic tree (batch size 1) on the device, at fixed shapes: from the root,
+        expand the `tree_topk` most probable nodes of each depth (cumulative draft
+        log-probability) with their `tree_topk` best children, for `tree_depth` depths, and keep
+        the `budget` most probable nodes; each depth's expansion is one captured head forward
+        whose nodes see the committed cache and their own ancestors."""
         self.width = self.tree_depth + 1  # a tree pass keeps at most that many positions
         logits, hidden = self._catch_up(seqs)  # the root's: [1, V_draft], [1, H]
         _, first, count = self.pending

@@ -8,13 +8,14 @@ from typing import Optional
 
 import torch
 
-from pipeline.decode.chain import chain_proposal, draw, last_kept
+from pipeline.decode.chain import chain_proposal, draw
 from pipeline.decode.types import Proposal, Sequences, TreeProposal
 
 
 class MedusaDrafter:
     """Medusa heads on the target's last hidden state at the last verified position: head i's
-    choice is draft token i+1 (a chain; trees come from the heads' top candidates)."""
+    choice is draft token i+1, k columns on the device (past the heads: filler, never
+    proposed); trees come from the heads' top candidates (MedusaTrees)."""
 
     name = "medusa"
 
@@ -25,30 +26,27 @@ class MedusaDrafter:
         self.feature_layers = heads.feature_layers
         self.trees = MedusaTrees(heads, choices)
 
-    def start(self, prompts: torch.Tensor, prompt_valid: torch.Tensor) -> None:
+    def start(self, seqs: Sequences, max_len: int) -> None:
         self.hidden = None
 
-    def propose_tree(self, seq: list[int], budget: int):
+    def observe(self, features: torch.Tensor, first: torch.Tensor, count: torch.Tensor) -> None:
+        self.hidden = features[torch.arange(features.shape[0], device=features.device), count - 1]  # [B, H]
+
+    def propose(self, seqs: Sequences, num_draft_tokens: int) -> Proposal:
+        n = min(num_draft_tokens, self.heads.num_heads)
+        logits = self.heads(self.hidden)[:, :n]  # [B, n, V_draft]
+        tokens, probs = map(list, zip(*(draw(logits[:, i], self.temperature, self.top_p, self.generator,
+                                             self.heads.draft_to_target, self.vocab_size) for i in range(n))))
+        for _ in range(num_draft_tokens - n):  # filler past the last head
+            tokens.append(torch.zeros_like(tokens[0]))
+            probs.append(None if probs[0] is None else torch.zeros_like(probs[0]))
+        return chain_proposal(tokens, probs, torch.full_like(tokens[0], n))
+
+    def propose_tree(self, seqs: Sequences, budget: int) -> TreeProposal:
         return self.trees.propose(self.hidden[0], budget)
 
-    def observe(self, features: torch.Tensor, kept: torch.Tensor) -> None:
-        self.hidden = last_kept(features, kept)  # [B, H]
-
-    def propose(self, seqs: list[list[int]], num_draft_tokens: int) -> Proposal:
-        return chain_proposal(*self.draw_heads(self.hidden, min(num_draft_tokens, self.heads.num_heads)))
-
-    def draw_heads(self, hidden: torch.Tensor, n: int) -> tuple[list[torch.Tensor], list[Optional[torch.Tensor]]]:
-        """The first n heads' tokens [B] (and distributions) for hidden states [B, H]."""
-        logits = self.heads(hidden)[:, :n]  # [B, n, V_draft]
-        tokens, probs = zip(*(draw(logits[:, i], self.temperature, self.top_p, self.generator,
-                                   self.heads.draft_to_target, self.vocab_size) for i in range(n)))
-        return list(tokens), list(probs)
-
-    def accepted(self, num_accepted: torch.Tensor) -> None:
+    def accepted(self, seqs: Sequences, num_accepted: torch.Tensor) -> None:
         pass
-
-    def select_rows(self, rows: torch.Tensor) -> None:
-        self.hidden = self.hidden[rows]
 
 
 class MedusaTrees:
@@ -111,36 +109,3 @@ def static_tree(budget: int, num_heads: int, width: int = 10, head_decay: float 
                     weight *= head_decay ** d * rank_decay ** r
                 heapq.heappush(heap, (-weight, c))
     return sorted(chosen, key=lambda p: (len(p), p))
-
-
-class FastMedusaDrafter:
-    """Medusa heads on the fast path, with a MedusaDrafter's heads, sampling settings and trees:
-    head i of the target's last kept hidden state proposes token i+1, on the device, k columns
-    (past the heads: filler, never proposed)."""
-
-    name = "medusa"
-
-    def __init__(self, medusa: MedusaDrafter):
-        self.medusa = medusa
-        self.feature_layers = medusa.feature_layers
-
-    def start(self, seqs: Sequences, max_len: int) -> None:
-        self.hidden = None
-
-    def propose_tree(self, seqs: Sequences, budget: int) -> TreeProposal:
-        return self.medusa.trees.propose(self.hidden[0], budget)
-
-    def observe(self, features: torch.Tensor, first: torch.Tensor, count: torch.Tensor) -> None:
-        self.hidden = features[torch.arange(features.shape[0], device=features.device), count - 1]  # [B, H]
-
-    def propose(self, seqs: Sequences, num_draft_tokens: int) -> Proposal:
-        m = self.medusa
-        n = min(num_draft_tokens, m.heads.num_heads)
-        tokens, probs = m.draw_heads(self.hidden, n)
-        for _ in range(num_draft_tokens - n):  # filler past the last head
-            tokens.append(torch.zeros_like(tokens[0]))
-            probs.append(None if probs[0] is None else torch.zeros_like(probs[0]))
-        return chain_proposal(tokens, probs, torch.full_like(tokens[0], n))
-
-    def accepted(self, seqs: Sequences, num_accepted: torch.Tensor) -> None:
-        pass

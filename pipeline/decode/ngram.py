@@ -8,43 +8,9 @@ import torch
 from pipeline.decode.types import Proposal, Sequences
 
 
-class NgramDrafter:
-    """Prompt lookup: find the latest earlier occurrence of the sequence's last n tokens
-    (n from max_ngram down to min_ngram) and propose the tokens that followed it."""
-
-    name = "ngram"
-    feature_layers = ()
-
-    def __init__(self, max_ngram: int = 3, min_ngram: int = 2, temperature: float = 0.0, vocab_size: int = 0):
-        self.max_ngram, self.min_ngram = max_ngram, min_ngram
-        self.temperature, self.vocab_size = temperature, vocab_size
-
-    def start(self, prompts: torch.Tensor, prompt_valid: torch.Tensor) -> None:
-        self.device = prompts.device
-
-    def propose(self, seqs: list[list[int]], num_draft_tokens: int) -> Proposal:
-        k = num_draft_tokens
-        tokens = torch.zeros((len(seqs), k), dtype=torch.long)
-        counts = torch.zeros(len(seqs), dtype=torch.long)
-        for row, seq in enumerate(seqs):
-            found = lookup(seq, k, self.max_ngram, self.min_ngram)
-            tokens[row, : len(found)] = torch.tensor(found, dtype=torch.long)
-            counts[row] = len(found)
-        tokens, counts = tokens.to(self.device), counts.to(self.device)
-        probs = None
-        if self.temperature > 0:  # a deterministic proposal: q is a point mass
-            probs = torch.nn.functional.one_hot(tokens, self.vocab_size).float()
-        return Proposal(tokens, counts, probs)
-
-    def accepted(self, num_accepted: torch.Tensor) -> None:
-        pass
-
-    def select_rows(self, rows: torch.Tensor) -> None:
-        pass
-
-
 def lookup(seq: list[int], k: int, max_ngram: int, min_ngram: int) -> list[int]:
-    """Up to k tokens that followed the latest earlier match of seq's last n tokens."""
+    """Up to k tokens that followed the latest earlier match of seq's last n tokens (the rule,
+    for one sequence on the host: lookup_on_device's reference)."""
     for n in range(min(max_ngram, len(seq) - 1), min_ngram - 1, -1):
         tail = seq[-n:]
         # Latest match first: recent context predicts best (and repeats in the answer itself).
@@ -78,8 +44,9 @@ def lookup_on_device(tokens: torch.Tensor, lengths: torch.Tensor, k: int, max_ng
     return proposals, num
 
 
-class FastNgramDrafter:
-    """Prompt lookup on the fast path: the same proposals as NgramDrafter, found on the device."""
+class NgramDrafter:
+    """Prompt lookup: find the latest earlier occurrence of the sequence's last n tokens
+    (n from max_ngram down to min_ngram) and propose the tokens that followed it, on the device."""
 
     name = "ngram"
     feature_layers = ()
@@ -99,4 +66,7 @@ class FastNgramDrafter:
         return Proposal(tokens, num, probs)
 
     def accepted(self, seqs: Sequences, num_accepted: torch.Tensor) -> None:
+        pass
+
+    def observe(self, features: torch.Tensor, first: torch.Tensor, count: torch.Tensor) -> None:
         pass

@@ -9,7 +9,6 @@ from typing import Optional
 
 import torch
 
-from pipeline.kernels.gqa_attention import gqa_attention
 from pipeline.kernels.linear import decode_layout, int8_linears
 
 log = logging.getLogger(__name__)
@@ -32,8 +31,7 @@ def prepare_for_decoding(model: torch.nn.Module, drafts: dict[str, torch.nn.Modu
     """Prepare the target and drafts for our decoder, in place: drafts with a draft vocabulary
     keep only its LM-head rows (distill/draft.py), the drafts and heads named in `int8` run
     their own CPU linear layers in int8 (kernels/linear.py), and on CPU with `layout` every linear layer
-    runs few-row inputs through the small-batch product (kernels/linear.py) and grouped-query
-    attention reads the cache without copying it per head (kernels/gqa_attention.py).
+    runs few-row inputs through the small-batch product (kernels/linear.py).
 
     Returns the target and drafts for HF's methods: copies as transformers loaded them (where
     anything changed), so that HF generate runs on the model every transformers user gets. The
@@ -51,7 +49,6 @@ def prepare_for_decoding(model: torch.nn.Module, drafts: dict[str, torch.nn.Modu
             log.info("%s: %d linear layers in int8 (dynamic activations)", name, changed)
     if layout:
         moved = sum(decode_layout(m) for m in (model, *drafts.values(), *(heads or {}).values()))
-        grouped = sum(gqa_attention(m) for m in (model, *drafts.values()))
-        log.info("decode layout: %d linear layers use the small-batch product and %d models SDPA's own "
-                 "grouped-query attention for our decoder; HF methods use a copy", moved, grouped)
+        log.info("decode layout: %d linear layers use the small-batch product for our decoder; HF methods "
+                 "use a copy", moved)
     return hf_model, hf_drafts

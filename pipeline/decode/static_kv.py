@@ -1,4 +1,4 @@
-"""Static KV caches and fixed-shape forwards: what the decoder's fast path is made of.
+"""Static KV caches and fixed-shape forwards: what our decoder is made of.
 
 A StaticCache preallocates every layer's keys and values for the longest sequence,
 [B, Hkv, T, D]. A forward of w tokens per row writes their keys and values at each row's
@@ -17,17 +17,51 @@ captured CUDA graph on CUDA (when asked), else by calling it, the same code eith
 
 from __future__ import annotations
 
+import functools
+import inspect
 from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
 
-from pipeline.decode.kv import with_hidden_states
-from pipeline.kernels.tree_attention import tree_attention
+from pipeline.kernels import backend
+from pipeline.kernels.tree_attention import tree_attention, visible_slots
 
 ATTENTION = "specdraft_static"
 SLACK = 256  # caches grow in steps of this many slots, so that a slightly longer call reuses them
+
+
+@functools.cache
+def _cache_keyword(module_type: type) -> str:
+    params = inspect.signature(module_type.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def with_cache(module, cache) -> dict:
+    """The keyword argument that hands `cache` to a transformers model's forward: `cache` from
+    transformers 5.24, `past_key_values` before (an unknown keyword would be swallowed by
+    **kwargs and the model would silently run without our cache)."""
+    return {_cache_keyword(type(module)): cache}
+
+
+@functools.cache
+def _selects_hidden_states() -> bool:
+    try:  # transformers 5.23+ keeps only the hidden states a list of indices (negative ones too) selects
+        from transformers.utils.output_capturing import selected_hidden_states  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def with_hidden_states(layers) -> dict:
+    """The keyword argument that makes a transformers model return the hidden states `layers`
+    (output_hidden_states indices, negative from the end) at those indices of its
+    `hidden_states`: only those where transformers can select them, else all of them (older
+    versions read a list as non-negative indices only)."""
+    if not layers:
+        return {}
+    return {"output_hidden_states": list(layers) if _selects_hidden_states() else True}
 
 
 class StaticCache:
@@ -39,8 +73,9 @@ class StaticCache:
         heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         shape = (batch_size, heads, max_len, head_dim)
-        self.keys = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.num_hidden_layers)]
-        self.values = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.num_hidden_layers)]
+        devices = layer_devices(model, config.num_hidden_layers, device)
+        self.keys = [torch.zeros(shape, device=d, dtype=dtype) for d in devices]
+        self.values = [torch.zeros(shape, device=d, dtype=dtype) for d in devices]
         self.max_len = max_len
 
     def move(self, start: torch.Tensor, source: torch.Tensor, count: int) -> None:
@@ -50,8 +85,20 @@ class StaticCache:
         src = (start[:, None] + source[:, :count])[:, None, :, None]  # [B, 1, count, 1]
         dst = (start[:, None] + torch.arange(count, device=start.device))[:, None, :, None]
         for cache in (*self.keys, *self.values):
-            index = src.expand(b, cache.shape[1], count, cache.shape[3])
-            cache.scatter_(2, dst.expand_as(index), cache.gather(2, index))
+            index = src.to(cache.device).expand(b, cache.shape[1], count, cache.shape[3])
+            cache.scatter_(2, dst.to(cache.device).expand_as(index), cache.gather(2, index))
+
+
+def layer_devices(model: torch.nn.Module, layers: int, default: torch.device) -> list[torch.device]:
+    """The device of each attention layer's weights (a target split across devices with
+    device_map keeps each layer's cache beside it), `default` where none is found."""
+    devices = [default] * layers
+    for module in model.modules():
+        index = getattr(module, "layer_idx", None)
+        weights = next(module.parameters(), None)
+        if isinstance(index, int) and 0 <= index < layers and weights is not None:
+            devices[index] = weights.device
+    return devices
 
 
 @dataclass
@@ -85,6 +132,12 @@ class StaticStep:
     """[W, W] bool ancestors among the new tokens; None: a causal chain."""
     mask: Optional[torch.Tensor] = None
     """[B, 1, W, T] bool: the slots each new token sees, instead of `start` and `tree`."""
+    visible: Optional[int] = None
+    """Read only the first `visible` slots (at least every row's start + W), where the caller
+    knows that count on the host (no graphs); None: all T, the fixed shape a graph replays."""
+    built: Optional[torch.Tensor] = None
+    """With `visible`: the mask [B, 1, W, visible] the first layer built for the others (reset
+    before every forward)."""
 
 
 def static_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
@@ -99,16 +152,30 @@ def static_attention(module, query, key, value, attention_mask, dropout: float =
     keys = static_step.cache.keys[module.layer_idx]  # [B, Hkv, T, D]
     values = static_step.cache.values[module.layer_idx]
     b, hkv, w, d = key.shape
-    slots = (static_step.start[:, None] + torch.arange(w, device=key.device))[:, None, :, None]  # [B, 1, W, 1]
+    start = static_step.start.to(key.device)  # a no-op unless the target is split across devices
+    slots = (start[:, None] + torch.arange(w, device=key.device))[:, None, :, None]  # [B, 1, W, 1]
     slots = slots.expand(b, hkv, w, d)
     keys.scatter_(2, slots, key.to(keys.dtype))
     values.scatter_(2, slots, value.to(values.dtype))
     scale = scaling if scaling is not None else d ** -0.5
+    read = static_step.visible or keys.shape[2]
+    keys, values = keys[:, :, :read], values[:, :, :read]
     if static_step.mask is not None:
-        out = F.scaled_dot_product_attention(query, keys, values, attn_mask=static_step.mask, scale=scale,
-                                             enable_gqa=query.shape[1] != keys.shape[1])
+        out = F.scaled_dot_product_attention(query, keys, values, attn_mask=static_step.mask[..., :read].to(key.device),
+                                             scale=scale, enable_gqa=query.shape[1] != keys.shape[1])
+    elif w == 1 and b == 1 and static_step.visible is not None:  # one token that sees every slot read
+        hq = query.shape[1]  # its query heads grouped by the key/value head they share: no mask, no copies
+        out = F.scaled_dot_product_attention(query.reshape(b, hkv, hq // hkv, d), keys, values, scale=scale)
+        out = out.reshape(b, hq, 1, d)
     else:
-        out = tree_attention(query, keys, values, static_step.start, static_step.tree, scale)  # [B, Hq, W, D]
+        tree = static_step.tree.to(key.device) if static_step.tree is not None else None
+        if static_step.visible is None or backend(query) == "triton":
+            out = tree_attention(query, keys, values, start, tree, scale)  # [B, Hq, W, D]
+        else:  # no graph: the reference's mask once per forward, for every layer
+            if static_step.built is None or static_step.built.device != key.device:
+                static_step.built = visible_slots(start, tree, w, read)[:, None]
+            out = F.scaled_dot_product_attention(query, keys, values, attn_mask=static_step.built, scale=scale,
+                                                 enable_gqa=query.shape[1] != keys.shape[1])
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -164,10 +231,20 @@ class Replay:
 
 class StaticModel:
     """A model with its static cache and its captured forwards, kept across calls of the same
-    batch size (a call that needs longer sequences reallocates them)."""
+    batch size (a call that needs longer sequences reallocates them). A transformers model is
+    switched to the static attention here (a head that wraps one switches its own); with
+    `graphs` (one CUDA device) every forward replays a captured CUDA graph.
 
-    def __init__(self, model: torch.nn.Module, graphs: bool) -> None:
+    `fixed_shapes` (default: with graphs) keeps every decoding step at the same shapes, as a
+    graph needs; without it (a CPU) a step does only the work some row needs: it verifies as
+    many draft tokens as the longest proposal, and a chain that every row ended stops drafting.
+    Tests run both on a CPU."""
+
+    def __init__(self, model: torch.nn.Module, graphs: bool = False, fixed_shapes: Optional[bool] = None) -> None:
+        if hasattr(model, "set_attn_implementation"):
+            use_static_attention(model)
         self.model, self.graphs = model, graphs
+        self.fixed_shapes = graphs if fixed_shapes is None else fixed_shapes
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.batch = self.max_len = 0
@@ -203,19 +280,24 @@ class StaticModel:
 
     def _forward(self, inputs: Inputs, logits_to_keep: int, layers: tuple[int, ...]) -> Callable[[], object]:
         step = StaticStep(self.cache, inputs.start, inputs.tree, inputs.mask)
+        width = inputs.tokens.shape[1]
+
+        def forward(**extra):
+            if not self.graphs:  # no shape to keep: attention reads only the slots some row uses
+                step.visible, step.built = int(inputs.start.max()) + width, None
+            return static_forward(self.model, inputs.tokens, inputs.positions, step, logits_to_keep, **extra)
+
         if inputs.features is not None:
             def fn():
-                out = static_forward(self.model, inputs.tokens, inputs.positions, step, logits_to_keep,
-                                     features=inputs.features)
+                out = forward(features=inputs.features)
                 return out.logits, out.hidden
         elif layers:
             def fn():
-                out = static_forward(self.model, inputs.tokens, inputs.positions, step, logits_to_keep,
-                                     **with_hidden_states(layers))
+                out = forward(**with_hidden_states(layers))
                 return out.logits, torch.cat([out.hidden_states[i] for i in layers], dim=-1)
         else:
             def fn():
-                return static_forward(self.model, inputs.tokens, inputs.positions, step, logits_to_keep).logits
+                return forward().logits
         return fn
 
     def prefill(self, tokens: torch.Tensor, lengths: torch.Tensor, layers: tuple[int, ...] = ()):
@@ -241,7 +323,7 @@ def prefill(model, cache: StaticCache, tokens: torch.Tensor, lengths: torch.Tens
     positions = torch.arange(width, device=tokens.device).expand(b, width)
     last = lengths - 1
     keep = torch.unique(last)  # the rows' last positions, each once
-    step = StaticStep(cache, torch.zeros(b, dtype=torch.long, device=tokens.device))
+    step = StaticStep(cache, torch.zeros(b, dtype=torch.long, device=tokens.device), visible=width)
     out = static_forward(model, tokens[:, :width], positions, step, logits_to_keep=keep, **with_hidden_states(layers))
     logits = out.logits[torch.arange(b, device=tokens.device), torch.searchsorted(keep, last)]
     if not layers:

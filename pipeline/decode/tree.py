@@ -1,7 +1,9 @@
 """Token-tree speculative decoding, batch size 1: the drafter proposes a tree of candidate
 continuations, the target scores every node in one pass (tree attention: a node attends the
 cache and its own ancestors, at position cached length + depth), and the longest path the
-target agrees with is kept -- its KV entries moved together, every other node's dropped.
+target agrees with is kept -- its KV entries moved together in the static cache, the other
+nodes' left to be written over. The layout, the walk and the move run on the device, one
+small device->host copy a round.
 
 Acceptance walks down from the root (the last committed token):
 - greedy: follow the child whose token is the target's argmax; stop where none is;
@@ -14,112 +16,19 @@ Acceptance walks down from the root (the last committed token):
 
 from __future__ import annotations
 
-import itertools
 from typing import Optional
 
 import torch
 
-from pipeline.decode.kv import SlotCache, with_hidden_states
-from pipeline.decode.sampling import next_token, process_logits, sample
-from pipeline.decode.types import DecodeResult, Rows, Sequences, TreeProposal, left_pad
-
-
-def ancestors(parents: torch.Tensor) -> torch.Tensor:
-    """[N+1, N+1] bool over (root, nodes): i may attend j when j is i or one of its ancestors."""
-    n = len(parents)
-    anc = torch.eye(n + 1, dtype=torch.bool, device=parents.device)
-    for i, parent in enumerate(parents.tolist()):
-        anc[i + 1] |= anc[parent + 1]
-    return anc
-
-
-def walk(proposal: TreeProposal, logits: torch.Tensor, temperature: float, top_p: float,
-         generator: Optional[torch.Generator]) -> tuple[list[int], int, list[bool]]:
-    """Accept down the tree. logits [N+1, V] at (root, nodes). Returns the accepted path as
-    chunk indices (root first), the next token, and for each depth reached whether its
-    candidate was accepted (the bookkeeping of α by position)."""
-    children: list[list[int]] = [[] for _ in range(len(proposal.parents) + 1)]
-    for i, parent in enumerate(proposal.parents.tolist()):
-        children[parent + 1].append(i + 1)
-    tokens = [-1] + proposal.tokens.tolist()
-    node, path, verdicts = 0, [0], []
-    while True:
-        kids = children[node]
-        if temperature == 0:
-            best = int(logits[node].argmax())
-            chosen = next((c for c in kids if tokens[c] == best), None)
-            following = best
-        else:
-            p = process_logits(logits[node][None], temperature, top_p)[0].clone()
-            chosen = None
-            for c in kids:
-                u = torch.rand((), generator=generator, device=p.device)
-                if u * p.sum() < p[tokens[c]]:
-                    chosen = c
-                    break
-                p[tokens[c]] = 0.0
-            following = None if chosen is not None else int(sample(p / p.sum(), generator))
-        if kids:
-            verdicts.append(chosen is not None)
-        if chosen is None:
-            return path, following, verdicts
-        node = chosen
-        path.append(node)
-
-
-@torch.inference_mode()
-def tree_decode(
-    model, drafter, prompts: list[list[int]], *, budget: int, max_new_tokens: int, eos_ids: set[int], pad_id: int,
-    temperature: float = 0.0, top_p: float = 1.0, generator: Optional[torch.Generator] = None,
-) -> DecodeResult:
-    """Lossless tree speculative decoding of one prompt at a time (each is decoded alone)."""
-    results = [_tree_decode_one(model, drafter, p, budget, max_new_tokens, eos_ids, pad_id, temperature, top_p,
-                                generator) for p in prompts]
-    proposed = [sum(x) for x in itertools.zip_longest(*(r.proposed_by_position for r in results), fillvalue=0)]
-    accepted = [sum(x) for x in itertools.zip_longest(*(r.accepted_by_position for r in results), fillvalue=0)]
-    return DecodeResult([r.tokens[0] for r in results], [r.target_passes[0] for r in results], proposed, accepted)
-
-
-def _tree_decode_one(model, drafter, prompt, budget, max_new_tokens, eos_ids, pad_id, temperature, top_p,
-                     generator) -> DecodeResult:
-    device = next(model.parameters()).device
-    tokens, valid = left_pad([prompt], pad_id, device)
-    kv = SlotCache(model, 1, device)
-    drafter.start(tokens, valid)
-    rows = Rows([prompt], max_new_tokens, eos_ids)
-    layers = drafter.feature_layers
-    out = kv.run(tokens, valid, logits_to_keep=1, **with_hidden_states(layers))
-    if layers:
-        drafter.observe(torch.cat([out.hidden_states[i] for i in layers], dim=-1), valid)
-    last = next_token(out.logits[:, -1], temperature, top_p, generator)
-    finished = rows.emit(0, [int(last)])
-    proposed, accepted = [], []
-    while not finished:
-        proposal = drafter.propose_tree(rows.live_seqs()[0], budget)
-        chunk = torch.cat([last, proposal.tokens.to(device)])[None]  # [1, N+1]
-        anc = ancestors(proposal.parents.to(device))
-        out = kv.run_tree(chunk, anc, **with_hidden_states(layers))
-        path, following, verdicts = walk(proposal, out.logits[0], temperature, top_p, generator)
-        for depth, ok in enumerate(verdicts):
-            if depth == len(proposed):
-                proposed.append(0)
-                accepted.append(0)
-            proposed[depth] += 1
-            accepted[depth] += ok
-        index = torch.tensor(path, device=device)
-        kv.keep_tree(chunk.shape[1], index)
-        if layers:  # the features of the kept path, in order
-            features = torch.cat([out.hidden_states[i] for i in layers], dim=-1)[:, index]
-            drafter.observe(features, torch.ones((1, len(path)), dtype=torch.bool, device=device))
-        finished = rows.emit(0, chunk[0, index[1:]].tolist() + [following])
-        last = torch.tensor([following], device=device)
-    return DecodeResult(rows.out, rows.passes, proposed, accepted)
+from pipeline.decode.sampling import next_token, process_logits
+from pipeline.decode.static_kv import StaticModel
+from pipeline.decode.types import DecodeResult, Rows, Sequences
 
 
 def tree_layout(parents: torch.Tensor, max_depth: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """`ancestors` [N+1, N+1] and each node's depth [N+1] (the root's 0) on the device, with a
-    fixed number of operations (no host round-trip): parents [N] (-1: the root), at most
-    max_depth deep."""
+    """Ancestors [N+1, N+1] over (root, nodes) (i may attend j: j is i or one of its ancestors)
+    and each node's depth [N+1] (the root's 0), with a fixed number of operations (no host
+    round-trip): parents [N] (-1: the root), at most max_depth deep."""
     n = parents.shape[0]
     up = torch.zeros((n + 1, n + 1), device=parents.device)
     up[torch.arange(1, n + 1, device=parents.device), parents + 1] = 1.0  # node -> its parent
@@ -133,7 +42,8 @@ def tree_layout(parents: torch.Tensor, max_depth: int) -> tuple[torch.Tensor, to
 
 def greedy_walk_on_device(tokens: torch.Tensor, parents: torch.Tensor, anc: torch.Tensor, depth: torch.Tensor,
                           logits: torch.Tensor):
-    """`walk` when greedy, on the device: logits [N+1, V] at (root, nodes). A node is kept when
+    """The greedy walk: logits [N+1, V] at (root, nodes); follow the child whose token is the
+    target's argmax, stop where none is. A node is kept when
     it is the first child of its parent whose token is the target's argmax there, and so are
     its ancestors; the deepest kept node ends the accepted path. Returns (end node, its depth
     = tokens accepted, the next token, whether the end node has children), all device scalars."""
@@ -151,7 +61,7 @@ def greedy_walk_on_device(tokens: torch.Tensor, parents: torch.Tensor, anc: torc
 
 def sampling_walk_on_device(tokens: torch.Tensor, parents: torch.Tensor, logits: torch.Tensor, max_depth: int,
                             temperature: float, top_p: float, generator: Optional[torch.Generator]):
-    """`walk` when sampling, on the device, one fixed step per depth: at each node its children
+    """The sampling walk, one fixed step per depth: at each node its children
     are tried in order, child x accepted with probability p(x) / (the mass not yet removed) and
     its mass removed when rejected (a duplicate token is never accepted twice); when none is
     accepted the next token is drawn from what remains. The same rule as `walk`, with the
@@ -199,16 +109,14 @@ def sampling_walk_on_device(tokens: torch.Tensor, parents: torch.Tensor, logits:
 
 
 @torch.inference_mode()
-def fast_tree_decode(target, drafter, prompts: list[list[int]], *, budget: int, max_new_tokens: int,
-                     eos_ids: set[int], temperature: float = 0.0, top_p: float = 1.0,
-                     generator: Optional[torch.Generator] = None) -> DecodeResult:
-    """Token-tree decoding on the fast path (static caches, a captured verification per tree
-    size, the walk and the accepted path's cache compaction on the device, one small
-    device->host copy a round), one prompt at a time: tree_decode's outputs and counts when
-    greedy, its distribution when sampling."""
+def tree_decode(target: StaticModel, drafter, prompts: list[list[int]], *, budget: int, max_new_tokens: int,
+                eos_ids: set[int], temperature: float = 0.0, top_p: float = 1.0,
+                generator: Optional[torch.Generator] = None) -> DecodeResult:
+    """Lossless tree speculative decoding, one prompt at a time (a captured verification per
+    tree size): greedy output equals the target's, sampled output is distributed as its."""
     device = target.device
     layers = tuple(drafter.feature_layers)
-    out_tokens, passes, proposed, accepted = [], [], [], []
+    result = DecodeResult([], [])
     for prompt in prompts:
         target.ready(1, len(prompt) + max_new_tokens + budget + 2)
         seqs = Sequences(torch.zeros((1, target.max_len), dtype=torch.long, device=device),
@@ -254,13 +162,8 @@ def fast_tree_decode(target, drafter, prompts: list[list[int]], *, budget: int, 
             if features is not None:
                 drafter.observe(features[:, path], inputs.start, num_accepted[None] + 1)
             n_acc, kids, *tokens = torch.cat([num_accepted[None], has_kids[None].long(), emitted]).tolist()
-            for d in range(n_acc + kids):  # depth d had candidates; all but the last reached were accepted
-                if d == len(proposed):
-                    proposed.append(0)
-                    accepted.append(0)
-                proposed[d] += 1
-                accepted[d] += d < n_acc
+            result.count(n_acc + kids, n_acc)  # depth d had candidates; all but the last reached were accepted
             finished = rows.emit(0, tokens[: n_acc + 1])
-        out_tokens.append(rows.out[0])
-        passes.append(rows.passes[0])
-    return DecodeResult(out_tokens, passes, proposed, accepted)
+        result.tokens.append(rows.out[0])
+        result.target_passes.append(rows.passes[0])
+    return result

@@ -93,7 +93,7 @@ def replay_chain(draft: torch.nn.Module, context: list[int], answer: list[int], 
     llama.cpp runs the converted model."""
     from transformers import DynamicCache
 
-    from pipeline.decode.kv import with_cache
+    from pipeline.decode.static_kv import with_cache
 
     device = next(draft.parameters()).device
 

@@ -17,10 +17,8 @@ import torch
 from pipeline.config import TIMING_NOISE
 from pipeline.data.chat import first_prompt_ids, next_turn_ids
 from pipeline.data.sources import Conversation
-from pipeline.decode import DecodeResult, plain_decode, speculative_decode, tree_decode
-from pipeline.decode.tree import fast_tree_decode
-from pipeline.decode.fast import fast_decode
-from pipeline.decode.static_kv import StaticModel
+from pipeline.decode import DecodeResult, StaticModel, plain_decode, speculative_decode, tree_decode
+from pipeline.decode.types import Sequences
 from pipeline.kinds import DraftOptions, kind_of_method
 
 Decode = Callable[[list[list[int]]], DecodeResult]
@@ -43,13 +41,15 @@ class Settings:
     top_p and generator are replaced by the ones above and each method's own."""
     hf_model: Optional[torch.nn.Module] = None
     """The target as transformers lays it out, for HF's methods (default: `model`)."""
-    fast: Optional[StaticModel] = None
-    """The target on the decoder's fast path (eval.cuda_graphs); None: the CPU path's decoder.
-    Every method shares it: one static cache, one captured forward per verify width."""
+    graphs: bool = False
+    """Replay every forward of our decoder from a captured CUDA graph (eval.cuda_graphs)."""
+    target: Optional[StaticModel] = None
+    """`model` for our decoder (made from it by default). Every method shares it: one static
+    cache, one captured forward per verify width."""
 
-    @property
-    def pad_id(self) -> int:
-        return self.tokenizer.pad_token_id
+    def __post_init__(self) -> None:
+        if self.target is None:
+            self.target = StaticModel(self.model, self.graphs)
 
 
 @dataclass
@@ -103,37 +103,20 @@ def make_decode(drafter: str, settings: Settings, num_draft_tokens: Optional[int
     """A function prompts -> DecodeResult for one method (plain, an HF method, a kind or its
     `<kind>_tree`) at one num_draft_tokens (a tree's: its budget)."""
     s = settings
-    common = dict(max_new_tokens=s.max_new_tokens, eos_ids=s.eos_ids, pad_id=s.pad_id,
-                  temperature=s.temperature, top_p=s.top_p)
     generator = torch.Generator(device=next(s.model.parameters()).device).manual_seed(s.seed)
-    fast = dict(max_new_tokens=s.max_new_tokens, eos_ids=s.eos_ids, temperature=s.temperature, top_p=s.top_p,
-                generator=generator)
+    common = dict(max_new_tokens=s.max_new_tokens, eos_ids=s.eos_ids, temperature=s.temperature, top_p=s.top_p,
+                  generator=generator)
     if drafter == "plain":
-        if s.fast is not None:
-            return lambda prompts: fast_decode(s.fast, None, prompts, num_draft_tokens=0, **fast)
-        return lambda prompts: plain_decode(s.model, prompts, generator=generator, **common)
+        return lambda prompts: plain_decode(s.target, prompts, **common)
     if drafter in HF_METHODS:
         return hf_decode(drafter, settings, num_draft_tokens, draft_model)
     kind, tree = kind_of_method(drafter)
-    options = dataclasses.replace(s.drafting, temperature=s.temperature, top_p=s.top_p, generator=generator)
-    if s.fast is not None and on_fast_path(kind, tree):
-        # One drafter for every call: its static cache and captured forwards are kept.
-        made = kind.fast(draft_model, s.model, dataclasses.replace(options, graphs=s.fast.graphs))
-        if tree:
-            return lambda prompts: fast_tree_decode(s.fast, made, prompts, budget=num_draft_tokens, **fast)
-        return lambda prompts: fast_decode(s.fast, made, prompts, num_draft_tokens=num_draft_tokens, **fast)
-    make = lambda: kind.drafter(draft_model, s.model, options)  # a fresh drafter (and its caches) per call
+    options = dataclasses.replace(s.drafting, temperature=s.temperature, top_p=s.top_p, generator=generator,
+                                  graphs=s.graphs)
+    made = kind.drafter(draft_model, s.model, options)  # one drafter for every call: its caches and graphs are kept
     if tree:
-        return lambda prompts: tree_decode(s.model, make(), prompts, budget=num_draft_tokens, generator=generator,
-                                           **common)
-    return lambda prompts: speculative_decode(s.model, make(), prompts, num_draft_tokens=num_draft_tokens,
-                                              generator=generator, **common)
-
-
-def on_fast_path(kind, tree: bool) -> bool:
-    """Whether a method of this Kind decodes on the fast path where it is on: its chains, and
-    its trees where its fast drafter makes them (the rest: the CPU path's decoder)."""
-    return kind.fast is not None and (not tree or kind.fast_trees)
+        return lambda prompts: tree_decode(s.target, made, prompts, budget=num_draft_tokens, **common)
+    return lambda prompts: speculative_decode(s.target, made, prompts, num_draft_tokens=num_draft_tokens, **common)
 
 
 def hf_decode(kind: str, settings: Settings, num_draft_tokens: Optional[int], draft_model) -> Decode:
@@ -150,7 +133,7 @@ def hf_decode(kind: str, settings: Settings, num_draft_tokens: Optional[int], dr
                      assistant_confidence_threshold=0.0)
     sampling = dict(do_sample=True, temperature=s.temperature, top_p=s.top_p, top_k=0) if s.temperature > 0 \
         else dict(do_sample=False)
-    config = GenerationConfig(max_new_tokens=s.max_new_tokens, eos_token_id=sorted(s.eos_ids), pad_token_id=s.pad_id,
+    config = GenerationConfig(max_new_tokens=s.max_new_tokens, eos_token_id=sorted(s.eos_ids), pad_token_id=s.tokenizer.pad_token_id,
                               **sampling, **extra)
     assistant = dict(assistant_model=draft_model) if kind == "hf_assisted" else {}
     model = s.hf_model if s.hf_model is not None else s.model
@@ -292,31 +275,11 @@ def greedy_divergences(model, reference: Measurement, other: Measurement,
     return found
 
 
-def forward_step(model, new_tokens: int, context: int = 128) -> Callable[[], None]:
-    """One forward of `new_tokens` tokens after a cached `context` (random tokens), as a call
-    that leaves the cache as it found it."""
-    from pipeline.decode.kv import SlotCache
-
-    device = next(model.parameters()).device
-    vocab = model.config.vocab_size
-    gen = torch.Generator().manual_seed(0)
-    kv = SlotCache(model, 1, device)
-    with torch.inference_mode():
-        kv.forward(torch.randint(0, vocab, (1, context), generator=gen).to(device), logits_to_keep=1)
-    chunk = torch.randint(0, vocab, (1, new_tokens), generator=gen).to(device)
-    drop = torch.zeros((1, new_tokens), dtype=torch.bool, device=device)
-
-    def step() -> None:
-        kv.forward(chunk)
-        kv.keep_last(drop)
-
-    return step
-
-
-def fast_forward_step(model: StaticModel, new_tokens: int, context: int = 128,
-                      logits_to_keep: int = 0) -> Callable[[], torch.Tensor]:
-    """forward_step on the fast path: a forward of `new_tokens` after a cached `context` (a CUDA
-    graph replay where the model replays them): a target's verification, or a draft's step."""
+def forward_step(model: StaticModel, new_tokens: int, context: int = 128,
+                 logits_to_keep: int = 0) -> Callable[[], torch.Tensor]:
+    """One forward of `new_tokens` tokens after a cached `context` (random tokens; a CUDA graph
+    replay where the model replays them), as a call that leaves the cache as it found it: a
+    target's verification, or a draft's step."""
     gen = torch.Generator().manual_seed(0)
     model.ready(1, context + new_tokens + 1)
     tokens = torch.randint(0, model.model.config.vocab_size, (1, model.max_len), generator=gen).to(model.device)
@@ -329,50 +292,20 @@ def fast_forward_step(model: StaticModel, new_tokens: int, context: int = 128,
     return replay
 
 
-def heads_step(heads, target, context: int = 128) -> tuple[Callable[[], None], int]:
-    """One draft step of a head module and the draft tokens it yields: one EAGLE step after
-    `context` cached positions, one early-exit forward, or all Medusa heads on one hidden
-    state (one token per head)."""
-    if heads.kind == "early_exit":
-        from pipeline.heads.models import early_exit_model
-
-        return forward_step(early_exit_model(target, heads), 1, context), 1
-    device = next(target.parameters()).device
-    dtype = next(target.parameters()).dtype
-    size = target.config.hidden_size
-    if heads.kind == "medusa":
-        hidden = torch.randn((1, size), dtype=dtype, device=device)
-        return (lambda: heads(hidden)), heads.num_heads
-    from pipeline.decode.kv import SlotCache
-
-    kv = SlotCache(heads, 1, device)
-    with torch.inference_mode():
-        kv.run(torch.zeros((1, context), dtype=torch.long, device=device),
-               features=torch.randn((1, context, size), dtype=dtype, device=device), logits_to_keep=1)
-    one_token = torch.zeros((1, 1), dtype=torch.long, device=device)
-    feature = torch.randn((1, 1, size), dtype=dtype, device=device)
-    drop = torch.zeros((1, 1), dtype=torch.bool, device=device)
-
-    def step() -> None:
-        kv.run(one_token, features=feature)
-        kv.keep_last(drop)
-
-    return step, 1
-
-
-def fast_heads_step(heads, target, graphs: bool, context: int = 128) -> tuple[Callable[[], object], int]:
-    """heads_step on the fast path: one EAGLE step (a replay) after `context` slots of its static
-    cache, one early-exit forward, or all Medusa heads on one hidden state."""
+def heads_step(heads, target, graphs: bool, context: int = 128) -> tuple[Callable[[], object], int]:
+    """One draft step of a head module and the draft tokens it yields: one EAGLE step (a replay)
+    after `context` slots of its static cache, one early-exit forward, or all Medusa heads on
+    one hidden state (one token per head)."""
     from pipeline.decode.static_kv import use_static_attention
 
     if heads.kind == "medusa":
-        return heads_step(heads, target, context)
+        hidden = torch.randn((1, target.config.hidden_size), dtype=next(target.parameters()).dtype,
+                             device=next(target.parameters()).device)
+        return (lambda: heads(hidden)), heads.num_heads
     if heads.kind == "early_exit":
         from pipeline.heads.models import early_exit_model
 
-        draft = early_exit_model(target, heads)
-        use_static_attention(draft)
-        return fast_forward_step(StaticModel(draft, graphs), 1, context, logits_to_keep=1), 1
+        return forward_step(StaticModel(early_exit_model(target, heads), graphs), 1, context, logits_to_keep=1), 1
     use_static_attention(heads.decoder)
     static = StaticModel(heads, graphs)
     static.ready(1, context + 2)
@@ -391,19 +324,18 @@ def tree_round_step(drafter, target, budget: int, context: int = 128) -> Callabl
     device = next(target.parameters()).device
     dtype = next(target.parameters()).dtype
     gen = torch.Generator().manual_seed(0)
-    prompt = torch.randint(0, target.config.vocab_size, (1, context), generator=gen).to(device)
-    valid = torch.ones_like(prompt, dtype=torch.bool)
+    seqs = Sequences(torch.randint(0, target.config.vocab_size, (1, context + budget + 8), generator=gen).to(device),
+                     torch.tensor([context + 1], device=device))  # a prompt of `context` tokens and the first answer
     width = len(drafter.feature_layers) * target.config.hidden_size
     features = torch.randn((1, context, width), generator=gen).to(device=device, dtype=dtype)
-    seq = prompt[0].tolist()
-    one = valid[:, -1:]
+    first, one = torch.tensor([context - 1], device=device), torch.ones(1, dtype=torch.long, device=device)
     with torch.inference_mode():
-        drafter.start(prompt, valid)
-        drafter.observe(features, valid)
+        drafter.start(seqs, seqs.tokens.shape[1])
+        drafter.observe(features, torch.zeros_like(first), seqs.lengths - 1)
 
     def step() -> None:
-        drafter.propose_tree(seq, budget)
-        drafter.observe(features[:, -1:], one)
+        drafter.propose_tree(seqs, budget)
+        drafter.observe(features[:, -1:], first, one)
 
     return step
 

@@ -38,9 +38,7 @@ def markdown(report: dict[str, Any]) -> str:
            f"{report['confidence_threshold']} (k is the longest chain)."] if report.get("confidence_threshold") else []),
         *([f"Linear layers in int8 (dynamic activations) for {', '.join(report['int8_drafts'])}; other drafts in "
            f"{report['dtype']}."] if report.get("int8_drafts") else []),
-        *([f"Fast path (static KV caches{', CUDA graphs' if report['fast_path']['cuda_graphs'] else ''}) for "
-           f"{', '.join(report['fast_path']['methods'])}; the other methods on the CPU path's decoder."]
-          if report.get("fast_path", {}).get("methods") else []),
+        *(["Every forward of our decoder replayed from a captured CUDA graph."] if report.get("cuda_graphs") else []),
         f"Lossless: greedy outputs equal plain decoding's, a difference excused only where plain's top-2 "
         f"logits are within {report.get('tie_epsilon', 1e-4):g} (a tie that rounding decides).",
         "",

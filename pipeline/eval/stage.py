@@ -17,16 +17,15 @@ from typing import Optional
 import torch
 from tqdm.auto import tqdm
 
-from pipeline.config import Config
+from pipeline.config import Config, use_graphs
 from pipeline.data.chat import eos_token_ids, first_prompt_ids, load_chat_data
 from pipeline.decode.prepare import prepare_for_decoding
-from pipeline.decode.static_kv import StaticModel, use_static_attention
+from pipeline.decode.static_kv import StaticModel
 from pipeline.distill.draft import load_draft
 from pipeline.errors import PipelineError
 from pipeline.eval.measure import (
-    Measurement, Method, Settings, best_num_draft_tokens, fast_forward_step, fast_heads_step, forward_step,
-    greedy_divergences, heads_step, make_decode, measure, median_seconds, on_fast_path, predicted_speedup,
-    tie_epsilon, tree_round_step,
+    Measurement, Method, Settings, best_num_draft_tokens, forward_step, greedy_divergences, heads_step, make_decode,
+    measure, median_seconds, predicted_speedup, tie_epsilon, tree_round_step,
 )
 from pipeline.eval.report import write_report
 from pipeline.files import remove
@@ -172,35 +171,25 @@ class Costs:
                     tree_round_cost={f"{name} {k}": v for (name, k), v in self.tree_round.items()})
 
 
-def measure_costs(target, methods, ks: list[int], budgets: dict[str, list[int]], ev,
-                  fast: Optional[StaticModel] = None) -> Costs:
+def measure_costs(target: StaticModel, methods, ks: list[int], budgets: dict[str, list[int]], ev) -> Costs:
     """Time, round-robin, a target forward of 1 and of k+1 tokens, one draft step of every
-    chain draft, and one drafting round of every tree at each budget it may run at (forwards
-    on the fast path where the methods decode on it)."""
-    if fast is not None:
-        steps = {"one": fast_forward_step(fast, 1)}
-        steps.update({("verify", k): fast_forward_step(fast, k + 1) for k in ks})
-    else:
-        steps = {"one": forward_step(target, 1)}
-        steps.update({("verify", k): forward_step(target, k + 1) for k in ks})
+    chain draft, and one drafting round of every tree at each budget it may run at."""
+    steps = {"one": forward_step(target, 1)}
+    steps.update({("verify", k): forward_step(target, k + 1) for k in ks})
     tokens = {}
     for name, drafter, module in methods:
         kind, tree = kind_of_method(name)
         if tree:
             for b in budgets[name]:
-                made = make_drafter(kind.name, module, target, tree_depth=ev.tree_depth, tree_topk=ev.tree_topk,
-                                    medusa_choices=ev.medusa_choices)
-                steps[("tree", name, b)] = tree_round_step(made, target, b)
-        elif kind.trained_by == "distill" and fast is not None:
-            draft = StaticModel(module, fast.graphs)
-            steps[("draft", name)], tokens[name] = fast_forward_step(draft, 1, logits_to_keep=1), 1
+                made = make_drafter(kind.name, module, target.model, tree_depth=ev.tree_depth, tree_topk=ev.tree_topk,
+                                    medusa_choices=ev.medusa_choices, graphs=target.graphs)
+                steps[("tree", name, b)] = tree_round_step(made, target.model, b)
         elif kind.trained_by == "distill":
-            steps[("draft", name)], tokens[name] = forward_step(module, 1), 1
+            steps[("draft", name)], tokens[name] = forward_step(StaticModel(module, target.graphs), 1,
+                                                                logits_to_keep=1), 1
         elif kind.trained_by == "heads":
-            steps[("draft", name)], tokens[name] = (fast_heads_step(module, target, fast.graphs)
-                                                    if fast is not None and kind.fast is not None
-                                                    else heads_step(module, target))
-    seconds = median_seconds(steps, target, reps=15)  # 15: a median that holds when a few in 5 calls stall
+            steps[("draft", name)], tokens[name] = heads_step(module, target.model, target.graphs)
+    seconds = median_seconds(steps, target.model, reps=15)  # 15: a median that holds when a few in 5 calls stall
     one = seconds["one"]
     return Costs(target_forward_s=one, verify={k: seconds[("verify", k)] / one for k in ks},
                  draft={name: seconds[("draft", name)] / n / one for name, n in tokens.items()},
@@ -232,20 +221,13 @@ def run(cfg: Config) -> Path:
     hf_model, hf_drafts = prepare_for_decoding(
         target.model, separate, layout=ev.decode_layout, compare_hf=ev.compare_hf,
         heads={name: m for name, m in models.items() if name not in separate}, int8=tuple(int8))
-    fast, graphs = ev.fast_path(target.device.type) if not target.split else (False, False)
-    if fast:
-        for model in (target.model, *(m for name, m in separate.items() if found[name].kind.fast is not None)):
-            use_static_attention(model)
-        log.info("fast path: static KV caches%s for plain decoding and the chains of %s",
-                 ", CUDA graphs" if graphs else " (no CUDA graphs on this device)",
-                 ", ".join(name for name, kind in KINDS.items() if kind.fast is not None))
+    graphs = use_graphs(ev.cuda_graphs, target.device.type, target.split, "eval")
     settings = Settings(model=target.model, tokenizer=tok, eos_ids=set(eos_token_ids(target.generation_config, tok)),
                         max_new_tokens=ev.max_new_tokens, temperature=ev.temperature, top_p=ev.top_p,
                         seed=cfg.seed, hf_model=hf_model, drafting=DraftOptions(
                             ngram_max=ev.ngram_max, ngram_min=ev.ngram_min, tree_depth=ev.tree_depth,
                             tree_topk=ev.tree_topk, medusa_choices=ev.medusa_choices,
-                            confidence_threshold=ev.confidence_threshold),
-                        fast=StaticModel(target.model, graphs) if fast else None)
+                            confidence_threshold=ev.confidence_threshold), graphs=graphs)
     greedy = ev.temperature == 0
     num_turns = sum(min(len(c.user_turns), cfg.data.max_turns or 99) for c in convs)
     spec = method_list(found, ev.trees and not ev.engine)
@@ -281,7 +263,7 @@ def run(cfg: Config) -> Path:
     # What each method may run at: the costs of all of them are timed together, before any decoding.
     budgets = {name: sweep_of(name) if name not in chosen else [chosen[name]] for name, _, _ in spec}
     ks = sorted({k for values in budgets.values() for k in values} | set(ev.sweep))
-    costs = measure_costs(target.model, spec, ks, budgets, ev, settings.fast)
+    costs = measure_costs(settings.target, spec, ks, budgets, ev)
 
     sweeps = {}
     if swept_spec:
@@ -345,9 +327,7 @@ def run(cfg: Config) -> Path:
         threads=torch.get_num_threads(), sweep_prompts=ev.sweep_prompts,
         tie_epsilon=tie_epsilon(next(target.model.parameters()).dtype),
         confidence_threshold=ev.confidence_threshold, int8_drafts=[n for n in int8 if is_int8(models[n])],
-        fast_path=dict(cuda_graphs=graphs, methods=["plain", *(n for n, _, _ in spec
-                                                            if on_fast_path(*kind_of_method(n)))]
-                       if fast else []),
+        cuda_graphs=graphs,
         baselines=dict(plain=dict(tokens_per_s=plain.total.tokens_per_s, tokens=plain.total.tokens,
                                   seconds=plain.total.seconds),
                        hf_generate=dict(tokens_per_s=hf.total.tokens_per_s, tokens=hf.total.tokens,

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from pipeline.decode.kv import with_hidden_states
+from pipeline.decode.static_kv import with_hidden_states
 from pipeline.files import atomic_write_json, own_dir, rename
 from pipeline.train.data import Batch, Example, collate
 

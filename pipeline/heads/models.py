@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeline.config import HEAD_KINDS
-from pipeline.decode.kv import with_cache
+from pipeline.decode.static_kv import with_cache
 from pipeline.errors import PipelineError
 
 HEADS_FILE = "heads.safetensors"
@@ -208,7 +208,7 @@ class EagleHead(nn.Module):
                      cache=None, use_cache: bool = False, **kwargs) -> torch.Tensor:
         """The head's output features [B, S, H] for input_ids [B, S] (token t+1 at position t)
         and features [B, S, H] (fused target features, or its own fed back); kwargs go to the
-        decoder's attention (the decoder's fast path: static_step)."""
+        decoder's attention (our decoder's static_step)."""
         with torch.no_grad():
             embeds = self.embed_tokens(input_ids)
         x = torch.cat([embeds.to(features.dtype), features], dim=-1)

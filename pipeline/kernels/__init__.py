@@ -6,8 +6,8 @@ the same signature, and a function that picks one (`backend`).
   length and the next token;
 - tree_attention.py: attention of w query tokens against a static KV cache whose rows hold
   different lengths, the w new tokens masked by a token tree (a chain is the causal tree);
-- linear.py, gqa_attention.py: CPU-only layouts (small-batch linear products, int8 drafts,
-  grouped-query attention without cache copies).
+- linear.py: CPU-only layouts (small-batch linear products, int8 drafts). Grouped-query
+  attention reads the static cache's shared heads as they are (SDPA's enable_gqa).
 
 Triton runs on CUDA tensors; on CPU tensors only under `TRITON_INTERPRET=1` (its interpreter:
 slow, for tests) with `SPECDRAFT_KERNELS=triton`, which forces it (`torch` forces the

@@ -1,4 +1,5 @@
-"""The decoder's contract on tiny and stub models: lossless greedy, exact bookkeeping, edge cases."""
+"""The decoder's contract on tiny and stub models: lossless greedy, exact bookkeeping, edge cases;
+the static cache really used by the model; transformers' keywords on every supported version."""
 
 import copy
 
@@ -7,18 +8,18 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from conftest import tiny_llama
-from pipeline.decode import ModelDrafter, NgramDrafter, plain_decode, speculative_decode
-from pipeline.decode.ngram import lookup
-from pipeline.decode.kv import SlotCache
+from pipeline.decode import ModelDrafter, NgramDrafter, StaticModel, plain_decode, speculative_decode
+from pipeline.decode.ngram import lookup, lookup_on_device
 from pipeline.kernels.linear import onednn_available, onednn_dtypes
 
-VOCAB, EOS, PAD = 32, 31, 0
+VOCAB, EOS = 32, 31
 
 
 class StubLM(torch.nn.Module):
     """Logits fixed by a rule next_token(token, position): never random, never learned.
 
-    It ignores its KV cache, so only the decoder's slot bookkeeping is exercised.
+    It ignores the static cache (and the static step that says where its slots are), so only
+    the decoder's and the drafter's position and length bookkeeping is exercised.
     """
 
     def __init__(self, rule):
@@ -26,21 +27,28 @@ class StubLM(torch.nn.Module):
         self.rule = rule
         self.config = LlamaConfig(vocab_size=VOCAB, hidden_size=8, num_hidden_layers=1,
                                   num_attention_heads=1, num_key_value_heads=1)
-        self.anchor = torch.nn.Parameter(torch.zeros(1))  # gives the decoder a device
+        self.anchor = torch.nn.Parameter(torch.zeros(1))  # gives the decoder a device and a dtype
         self.calls = []
 
-    def forward(self, input_ids, attention_mask=None, position_ids=None, cache=None, use_cache=True,
-                logits_to_keep=0):
-        self.calls.append(input_ids.shape[1])
+    def logits(self, input_ids, position_ids):
         nxt = self.rule(input_ids, position_ids)  # [B, S]
         logits = torch.full((*input_ids.shape, VOCAB), -10.0)
-        logits.scatter_(2, nxt[..., None], 10.0)
-        if logits_to_keep:
-            logits = logits[:, -logits_to_keep:]
-        return type("Out", (), {"logits": logits})()
+        return logits.scatter_(2, nxt[..., None], 10.0)
+
+    def forward(self, input_ids, position_ids=None, use_cache=False, static_step=None, logits_to_keep=0, **kwargs):
+        assert static_step is not None and not use_cache  # the decoder's static forwards only
+        self.calls.append(input_ids.shape[1])
+        return type("Out", (), {"logits": keep(self.logits(input_ids, position_ids), logits_to_keep)})()
 
 
-def count_up(ids, pos):  # the target: t -> t + 1, EOS after 20 (never emits PAD)
+def keep(logits, logits_to_keep):
+    """transformers' logits_to_keep: the last n positions (0: all), or a tensor of positions."""
+    if isinstance(logits_to_keep, torch.Tensor):
+        return logits[:, logits_to_keep]
+    return logits[:, -logits_to_keep:] if logits_to_keep else logits
+
+
+def count_up(ids, pos):  # the target: t -> t + 1, EOS after 20
     return torch.where(ids >= 20, torch.full_like(ids, EOS), ids % 30 + 1)
 
 
@@ -54,9 +62,9 @@ def wrong_at_every_third_position(ids, pos):
 
 def run(target_rule, drafter, prompts, k, max_new_tokens=40):
     target = StubLM(target_rule)
-    result = speculative_decode(target, drafter, prompts, num_draft_tokens=k, max_new_tokens=max_new_tokens,
-                                eos_ids={EOS}, pad_id=PAD)
-    plain = plain_decode(StubLM(target_rule), prompts, max_new_tokens=max_new_tokens, eos_ids={EOS}, pad_id=PAD)
+    result = speculative_decode(StaticModel(target), drafter, prompts, num_draft_tokens=k,
+                                max_new_tokens=max_new_tokens, eos_ids={EOS})
+    plain = plain_decode(StaticModel(StubLM(target_rule)), prompts, max_new_tokens=max_new_tokens, eos_ids={EOS})
     return result, plain, target
 
 
@@ -73,8 +81,15 @@ def test_never_accepting_draft_still_emits_one_target_token_per_pass():
     result, plain, _ = run(count_up, ModelDrafter(StubLM(count_up_by_two)), [[1, 2]], k=3)
     assert result.tokens == plain.tokens
     assert result.target_passes == [len(plain.tokens[0])]  # tau == 1
+    assert result.acceptance_by_position[0] == 0.0
+    assert result.proposed_by_position[0] == len(plain.tokens[0]) - 1  # every pass after the prefill
+    assert not any(result.proposed_by_position[1:])  # later positions are never reached
+
+
+def test_per_position_counts_have_one_entry_per_draft_position():
+    result, _, _ = run(count_up, ModelDrafter(StubLM(count_up_by_two)), [[1, 2]], k=3)
     assert result.acceptance_by_position == [0.0, 0.0, 0.0]
-    assert result.proposed_by_position[1:] == [0, 0]  # later positions are never reached
+    assert result.proposed_by_position[1:] == [0, 0]
 
 
 def test_partially_accepting_draft():
@@ -97,7 +112,7 @@ def test_max_new_tokens_inside_a_chunk():
 
 
 def test_rows_of_a_batch_accept_different_lengths():
-    prompts = [[1, 2], [5], [3, 4, 5, 6], [18]]  # left padding, different lengths, one early EOS
+    prompts = [[1, 2], [5], [3, 4, 5, 6], [18]]  # rows of different lengths, one early EOS
     drafter = ModelDrafter(StubLM(wrong_at_every_third_position))
     result, plain, _ = run(count_up, drafter, prompts, k=3)
     assert result.tokens == plain.tokens
@@ -107,14 +122,10 @@ def test_rows_of_a_batch_accept_different_lengths():
 class UnsureLM(StubLM):
     """StubLM whose choice is the rule's but held with probability ~0.05 at every fourth position."""
 
-    def forward(self, input_ids, attention_mask=None, position_ids=None, cache=None, use_cache=True,
-                logits_to_keep=0):
-        out = super().forward(input_ids, attention_mask, position_ids, cache, use_cache, 0)
-        unsure = (position_ids % 4 == 3)[..., None] & (out.logits > 0)
-        out.logits = torch.where(unsure, torch.full_like(out.logits, -9.5), out.logits)
-        if logits_to_keep:
-            out.logits = out.logits[:, -logits_to_keep:]
-        return out
+    def logits(self, input_ids, position_ids):
+        logits = super().logits(input_ids, position_ids)
+        unsure = (position_ids % 4 == 3)[..., None] & (logits > 0)
+        return torch.where(unsure, torch.full_like(logits, -9.5), logits)
 
 
 @pytest.mark.parametrize("prompts", [[[1, 2]], [[1, 2], [5], [3, 4, 5, 6]]])
@@ -125,11 +136,22 @@ def test_confidence_threshold_ends_chains_at_unsure_tokens(prompts):
     assert sure.tokens == plain.tokens and sure.proposed_by_position[3] > 0  # a sure draft is never stopped
     result, plain, target = run(count_up, ModelDrafter(UnsureLM(count_up), confidence_threshold=0.5), prompts, k=6)
     assert result.tokens == plain.tokens
-    assert result.proposed_by_position[4:] == [0, 0] and result.proposed_by_position[2] > 0
+    assert not any(result.proposed_by_position[4:]) and result.proposed_by_position[2] > 0
     assert all(a == 1.0 for a in result.acceptance_by_position[:3])
-    assert max(target.calls[1:]) <= 5  # the last token and at most 4 proposals verified per pass
+    # without graphs the target verifies only as many drafts as some row proposed: the last
+    # token and at most 4 proposals per pass
+    assert max(target.calls[1:]) <= 5
     unstopped, _, _ = run(count_up, ModelDrafter(UnsureLM(count_up)), prompts, k=6)
     assert unstopped.tokens == plain.tokens and unstopped.proposed_by_position[5] > 0
+
+
+def test_a_pass_without_proposals_verifies_only_the_last_token():
+    """On a CPU (no captured shape to keep) the verification is as wide as the longest proposal:
+    prompt lookup finds nothing in a sequence that never repeats, so every pass is plain."""
+    result, plain, target = run(count_up, NgramDrafter(), [[1, 2], [5]], k=4)
+    assert result.tokens == plain.tokens
+    assert target.calls == [2] + [1] * (len(plain.tokens[0]) - 1)
+    assert result.tau == 1.0 and not any(result.proposed_by_position)
 
 
 def test_ngram_lookup_prefers_the_longest_latest_match():
@@ -137,6 +159,24 @@ def test_ngram_lookup_prefers_the_longest_latest_match():
     assert lookup(seq, 2, max_ngram=3, min_ngram=1) == [7, 5]  # "2 3" last seen before 7
     assert lookup([4, 5, 6], 3, max_ngram=3, min_ngram=1) == []
     assert lookup([1, 2, 1], 3, max_ngram=2, min_ngram=1) == [2, 1]
+
+
+@pytest.mark.parametrize("max_ngram,min_ngram", [(3, 1), (3, 2), (2, 1)])
+def test_ngram_lookup_on_device_follows_the_host_rule(max_ngram, min_ngram):
+    """lookup_on_device (every row at once, rows right-padded with stale entries) proposes what
+    lookup, its reference, proposes for each row alone."""
+    seqs = [[1, 2, 3, 9, 1, 2, 3, 7, 5, 2, 3], [4, 5, 6], [1, 2, 1], [7, 7, 7, 7], [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5],
+            [8], [2, 4, 2, 4, 2]]
+    width, k = 16, 3
+    tokens = torch.randint(0, VOCAB, (len(seqs), width), generator=torch.Generator().manual_seed(0))  # stale
+    for row, s in enumerate(seqs):
+        tokens[row, : len(s)] = torch.tensor(s)
+    lengths = torch.tensor([len(s) for s in seqs])
+    proposals, num = lookup_on_device(tokens, lengths, k, max_ngram, min_ngram)
+    assert proposals.shape == (len(seqs), k)
+    for row, s in enumerate(seqs):
+        want = lookup(s, k, max_ngram, min_ngram)
+        assert proposals[row, : num[row]].tolist() == want, (row, s)
 
 
 def test_ngram_drafter_on_a_repeating_target():
@@ -172,10 +212,10 @@ def test_greedy_output_equals_plain_decoding_on_a_tiny_llama(k, drafter_kind):
                "draft_model_stopping": lambda: ModelDrafter(tiny_llama(1, layers=1), confidence_threshold=0.04),
                "self_stopping": lambda: ModelDrafter(target, confidence_threshold=0.04),
                }[drafter_kind]()
-    spec = speculative_decode(target, drafter, prompts, num_draft_tokens=k, max_new_tokens=30,
-                              eos_ids={EOS}, pad_id=PAD)
+    static = StaticModel(target)
+    spec = speculative_decode(static, drafter, prompts, num_draft_tokens=k, max_new_tokens=30, eos_ids={EOS})
     for row, prompt in enumerate(prompts):
-        alone = plain_decode(target, [prompt], max_new_tokens=30, eos_ids={EOS}, pad_id=PAD)
+        alone = plain_decode(static, [prompt], max_new_tokens=30, eos_ids={EOS})
         assert spec.tokens[row] == alone.tokens[0]
     if drafter_kind in ("self", "self_permuted_vocab"):  # a draft identical to the target accepts everything
         assert all(a == 1.0 for a in spec.acceptance_by_position)
@@ -188,34 +228,123 @@ def test_greedy_output_equals_plain_decoding_on_a_tiny_llama(k, drafter_kind):
 
 
 def test_plain_decoding_equals_hf_generate_on_a_tiny_llama():
+    """Batched, rows of different lengths, against HF generate on each prompt alone (the same
+    model object, switched to our static attention: called without a static step it runs
+    transformers' sdpa attention)."""
     target = tiny_llama(0)
-    prompt = [3, 7, 1, 9]
-    ours = plain_decode(target, [prompt], max_new_tokens=25, eos_ids={EOS}, pad_id=PAD).tokens[0]
-    with torch.inference_mode():
-        hf = target.generate(torch.tensor([prompt]), max_new_tokens=25, do_sample=False,
-                             eos_token_id=EOS, pad_token_id=PAD)[0, len(prompt):].tolist()
-    assert ours == hf[: hf.index(EOS) + 1] if EOS in hf else ours == hf
+    prompts = [[3, 7, 1, 9], [5, 2], [8, 8, 8, 1, 2, 3, 4, 5, 6, 7, 8]]
+    ours = plain_decode(StaticModel(target), prompts, max_new_tokens=25, eos_ids={EOS}).tokens
+    for prompt, mine in zip(prompts, ours):
+        with torch.inference_mode():
+            hf = target.generate(torch.tensor([prompt]), max_new_tokens=25, do_sample=False,
+                                 eos_token_id=EOS, pad_token_id=0)[0, len(prompt):].tolist()
+        assert mine == (hf[: hf.index(EOS) + 1] if EOS in hf else hf)
 
 
-def test_the_model_really_reads_and_writes_our_cache():
-    """transformers renamed forward's cache keyword (past_key_values -> cache in 5.24); a name
-    the installed version does not take vanishes into **kwargs and every forward would run
-    without the cache, batch size 1 decoding garbage that plain and speculative agree on."""
+def test_the_model_really_reads_and_writes_our_static_cache():
+    """transformers hands our `static_step` keyword to the attention layers only under our
+    attention implementation; a keyword the installed version dropped would run every forward
+    without the cache, batch size 1 decoding garbage that plain and speculative agree on. The
+    prefill writes the prompt's slots only, a verification reads them (its logits are a full
+    forward's) and writes its own, and corrupting the cached keys changes its output."""
     model = tiny_llama(0)
-    kv = SlotCache(model, 1, torch.device("cpu"))
     seq = torch.tensor([[4, 9, 2, 7, 1]])
     with torch.inference_mode():
-        kv.forward(seq[:, :3])
-        assert kv.cache.get_seq_length() == 3
-        logits = kv.forward(seq[:, 3:])
-        assert kv.cache.get_seq_length() == 5
+        full = model(seq).logits
+        static = StaticModel(model)
+        static.ready(1, 8)
+        static.prefill(seq[:, :3], torch.tensor([3]))
+        for layer in (*static.cache.keys, *static.cache.values):
+            assert layer[:, :, :3].abs().sum(dim=-1).gt(0).all() and not layer[:, :, 3:].any()
+        verify, inputs = static.replay(2)
+        inputs.start.fill_(3)
+        inputs.positions.copy_(torch.tensor([[3, 4]]))
+        inputs.tokens.copy_(seq[:, 3:])
+        torch.testing.assert_close(verify(), full[:, 3:], atol=1e-5, rtol=1e-4)
+        for layer in (*static.cache.keys, *static.cache.values):
+            assert layer[:, :, :5].abs().sum(dim=-1).gt(0).all() and not layer[:, :, 5:].any()
+        for layer in static.cache.keys:
+            layer[:, :, :3] = torch.randn_like(layer[:, :, :3])
+        assert not torch.allclose(verify(), full[:, 3:], atol=1e-3)
+
+
+def test_rejected_slots_are_written_over_per_row():
+    """Rolling back a rejected draft costs nothing: rows keep different numbers of a verified
+    chunk, and the next forward (other tokens) writes over each row's stale slots from its own
+    length; its logits are a full forward's of each row's committed tokens."""
+    model = tiny_llama(0)
+    seqs = torch.tensor([[1, 2, 3, 4, 5, 6, 7], [9, 8, 7, 6, 5, 4, 3]])
+    with torch.inference_mode():
+        static = StaticModel(model)
+        static.ready(2, 10)
+        static.prefill(seqs[:, :3], torch.tensor([3, 3]))
+        verify, inputs = static.replay(3)
+        inputs.start.fill_(3)
+        inputs.positions.copy_(torch.arange(3, 6).expand(2, 3))
+        inputs.tokens.copy_(seqs[:, 3:6])
+        verify()
+        kept = torch.tensor([4, 5])  # row 0 keeps 1 of the 3, row 1 keeps 2
+        nxt = torch.tensor([[11, 12], [13, 14]])  # not the tokens whose keys those slots hold
+        step, inputs = static.replay(2)
+        inputs.start.copy_(kept)
+        inputs.positions.copy_(kept[:, None] + torch.arange(2))
+        inputs.tokens.copy_(nxt)
+        logits = step()
+        for row in range(2):
+            committed = torch.cat([seqs[row, : kept[row]], nxt[row]])[None]
+            torch.testing.assert_close(logits[row], model(committed).logits[0, -2:], atol=1e-5, rtol=1e-4)
+
+
+def test_static_attention_reads_grouped_kv_heads_without_copies(monkeypatch):
+    """The static attention reads the cache's grouped key/value heads as they are (SDPA's
+    enable_gqa or the tree-attention kernel): a verification of rows at different lengths gives
+    transformers' sdpa logits without its per-head copy of the cache (repeat_kv)."""
+    import transformers.integrations.sdpa_attention as hf_sdpa
+
+    model = tiny_llama(0)  # 4 query heads over 2 key/value heads
+    seqs = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(0))
+    lengths = torch.tensor([6, 4])
+    with torch.inference_mode():
+        full = [model(seqs[row : row + 1, : lengths[row] + 3]).logits[0, -3:] for row in range(2)]
+        static = StaticModel(model)
+        static.ready(2, 12)
+        static.prefill(seqs, lengths)
+        verify, inputs = static.replay(3)
+        inputs.start.copy_(lengths)
+        inputs.positions.copy_(lengths[:, None] + torch.arange(3))
+        inputs.tokens.copy_(seqs.gather(1, inputs.positions))
+        copies = []
+        real = hf_sdpa.repeat_kv
+        monkeypatch.setattr(hf_sdpa, "repeat_kv", lambda *a: copies.append(1) or real(*a))
+        logits = verify()
+    assert copies == []
+    for row in range(2):
+        torch.testing.assert_close(logits[row], full[row], rtol=1e-5, atol=1e-5)
+
+
+def test_with_cache_hands_the_model_our_cache():
+    """transformers renamed forward's cache keyword (past_key_values -> cache in 5.24); a name
+    the installed version does not take vanishes into **kwargs and the model would run without
+    the cache (heads/models.py and eval/engine.py pass theirs through with_cache)."""
+    from transformers import DynamicCache
+
+    from pipeline.decode.static_kv import with_cache
+
+    model = tiny_llama(0)
+    cache = DynamicCache(config=model.config)
+    seq = torch.tensor([[4, 9, 2, 7, 1]])
+    with torch.inference_mode():
+        model(seq[:, :3], use_cache=True, **with_cache(model, cache))
+        assert cache.get_seq_length() == 3
+        logits = model(seq[:, 3:], use_cache=True, **with_cache(model, cache)).logits
+        assert cache.get_seq_length() == 5
         torch.testing.assert_close(logits, model(seq).logits[:, 3:], atol=1e-5, rtol=1e-4)
 
 
 def test_selected_hidden_states_are_at_their_indices():
     """Heads read target hidden states by output_hidden_states index (negative from the end),
     on every transformers version we support (5.23 changed how a list of indices selects)."""
-    from pipeline.decode.kv import with_hidden_states
+    from pipeline.decode.static_kv import with_hidden_states
 
     model = tiny_llama(0, layers=3)
     seq = torch.tensor([[4, 9, 2, 7, 1]])
@@ -227,19 +356,24 @@ def test_selected_hidden_states_are_at_their_indices():
     assert with_hidden_states([]) == {}
 
 
-def test_in_place_cache_matches_a_full_forward_after_crops_and_row_selection():
-    model = tiny_llama(0)
-    kv = SlotCache(model, 2, torch.device("cpu"))
-    seqs = torch.tensor([[1, 2, 3, 4, 5, 6, 7], [9, 8, 7, 6, 5, 4, 3]])
+def test_static_prefill_hands_drafters_the_selected_hidden_states():
+    """The hidden states a drafter reads (feature_layers) come from the static prefill and
+    verification at their output_hidden_states indices, concatenated, at every position."""
+    model = tiny_llama(0, layers=3)
+    seqs = torch.tensor([[4, 9, 2, 7, 1], [3, 5, 8, 0, 0]])
+    lengths = torch.tensor([5, 3])
     with torch.inference_mode():
-        kv.forward(seqs[:, :3])
-        kv.forward(seqs[:, 3:6])
-        kv.keep_last(torch.tensor([[True, False, False], [True, True, False]]))  # row 0 keeps 1 of 3
-        assert kv.lengths.tolist() == [4, 5]
-        kv.select_rows(torch.tensor([1]))
-        logits = kv.forward(seqs[1:, 5:7])
-        full = model(seqs[1:, :7]).logits
-    torch.testing.assert_close(logits, full[:, 5:7], atol=1e-5, rtol=1e-4)
+        every = [model(seqs[row : row + 1, : lengths[row]], output_hidden_states=True).hidden_states
+                 for row in range(2)]
+        static = StaticModel(model)
+        static.ready(2, 8)
+        logits, features = static.prefill(seqs, lengths, layers=(1, -1))
+    assert features.shape == (2, 5, 2 * 32)
+    for row in range(2):
+        n = int(lengths[row])
+        want = torch.cat([every[row][1][0], every[row][-1][0]], dim=-1)
+        torch.testing.assert_close(features[row, :n], want, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(logits[row], model(seqs[row : row + 1, :n]).logits[0, -1], atol=1e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("product", [None, "linear", "columns", "onednn"])
@@ -300,8 +434,10 @@ def test_decode_layout_keeps_the_function():
                          num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
     model = LlamaForCausalLM(config).eval()
     ids = torch.tensor([[3, 7, 1, 9, 3, 7, 2]])
+    prompts = [[3, 7, 1, 9, 3, 7], [5, 2]]
     with torch.inference_mode():
         before = model(ids).logits
+    plain = plain_decode(StaticModel(copy.deepcopy(model)), prompts, max_new_tokens=20, eos_ids={EOS})
     assert not is_decode_layout(model)
     assert decode_layout(model) == 2 * 7 + 1  # 7 projections per layer and the (tied) LM head once
     assert is_decode_layout(model) and decode_layout(model) == 0
@@ -309,44 +445,10 @@ def test_decode_layout_keeps_the_function():
     assert model.lm_head.weight.shape == (VOCAB, 32)
     with torch.inference_mode():
         torch.testing.assert_close(model(ids).logits, before, rtol=1e-5, atol=1e-5)
-    prompts = [[3, 7, 1, 9, 3, 7], [5, 2]]
-    spec = speculative_decode(model, NgramDrafter(), prompts, num_draft_tokens=3, max_new_tokens=20,
-                              eos_ids={EOS}, pad_id=PAD)
-    plain = plain_decode(model, prompts, max_new_tokens=20, eos_ids={EOS}, pad_id=PAD)
-    assert spec.tokens == plain.tokens
-
-
-def test_gqa_attention_reads_the_cache_without_copies(monkeypatch):
-    """kernels/gqa_attention.py: a multi-token step after a cache (a verification), with and without
-    padding, gives the logits of transformers' sdpa attention without its per-head copy of the
-    cache (repeat_kv)."""
-    import transformers.integrations.sdpa_attention as hf_sdpa
-
-    from pipeline.kernels.gqa_attention import gqa_attention
-
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa")
-    model = LlamaForCausalLM(config).eval()
-    grouped = copy.deepcopy(model)
-    assert gqa_attention(grouped) and grouped.config._attn_implementation != model.config._attn_implementation
-    assert not gqa_attention(grouped)  # already switched
-    seqs = torch.randint(0, VOCAB, (2, 9))
-    prompt_valid = torch.ones((2, 6), dtype=torch.bool)
-    prompt_valid[0, :2] = False  # a left-padded row: the cache needs a mask
-    outputs = {}
-    with torch.inference_mode():
-        for name, m in (("sdpa", model), ("gqa", grouped)):
-            kv = SlotCache(m, 2, torch.device("cpu"))
-            kv.forward(seqs[:, :6], prompt_valid)
-            copies = []
-            real = hf_sdpa.repeat_kv
-            monkeypatch.setattr(hf_sdpa, "repeat_kv", lambda *a: copies.append(1) or real(*a))
-            outputs[name] = kv.forward(seqs[:, 6:])
-            monkeypatch.setattr(hf_sdpa, "repeat_kv", real)
-            outputs[name + "_copies"] = len(copies)
-    torch.testing.assert_close(outputs["gqa"], outputs["sdpa"], rtol=1e-5, atol=1e-5)
-    assert outputs["sdpa_copies"] == 2 * 2 and outputs["gqa_copies"] == 0  # keys and values, each layer
+    static = StaticModel(model)
+    spec = speculative_decode(static, NgramDrafter(), prompts, num_draft_tokens=3, max_new_tokens=20, eos_ids={EOS})
+    assert spec.tokens == plain.tokens  # the layout's greedy outputs are the plain layout's
+    assert plain_decode(static, prompts, max_new_tokens=20, eos_ids={EOS}).tokens == plain.tokens
 
 
 def test_int8_linears_keep_greedy_outputs():
@@ -376,9 +478,10 @@ def test_int8_linears_keep_greedy_outputs():
     assert not torch.equal(after, before)
     torch.testing.assert_close(after, before, rtol=0.0, atol=0.1 * before.abs().max().item())
     prompts = [[3, 7, 1, 9, 3, 7], [5, 2]]
+    static = StaticModel(target)
+    plain = plain_decode(static, prompts, max_new_tokens=30, eos_ids={EOS})
     for k in (1, 4):
-        spec = speculative_decode(target, ModelDrafter(draft), prompts, num_draft_tokens=k, max_new_tokens=30,
-                                  eos_ids={EOS}, pad_id=PAD)
-        plain = plain_decode(target, prompts, max_new_tokens=30, eos_ids={EOS}, pad_id=PAD)
+        spec = speculative_decode(static, ModelDrafter(draft), prompts, num_draft_tokens=k, max_new_tokens=30,
+                                  eos_ids={EOS})
         assert spec.tokens == plain.tokens
         assert sum(spec.accepted_by_position) > 0 and spec.accepted_by_position[0] < spec.proposed_by_position[0]

@@ -5,7 +5,7 @@ import torch
 
 from pipeline.data.chat import eos_token_ids, first_prompt_ids
 from pipeline.data.sources import load_conversations
-from pipeline.decode import ModelDrafter, NgramDrafter, plain_decode, speculative_decode
+from pipeline.decode import ModelDrafter, NgramDrafter, StaticModel, plain_decode, speculative_decode
 from pipeline.distill.draft import first_layers_draft
 from pipeline.models import load_target
 
@@ -20,9 +20,9 @@ def setup():
     convs = load_conversations("mtbench", limit=24).conversations[::8]  # 3 categories
     prompts = [first_prompt_ids(tok, c) for c in convs]
     eos = set(eos_token_ids(target.generation_config, tok))
-    plain = [plain_decode(target.model, [p], max_new_tokens=MAX_NEW_TOKENS, eos_ids=eos,
-                          pad_id=tok.pad_token_id).tokens[0] for p in prompts]
-    return target, prompts, eos, plain
+    static = StaticModel(target.model)  # switches the model to our static attention, in place
+    plain = [plain_decode(static, [p], max_new_tokens=MAX_NEW_TOKENS, eos_ids=eos).tokens[0] for p in prompts]
+    return target, static, prompts, eos, plain
 
 
 def divergences(target, prompts, got, want):
@@ -44,7 +44,9 @@ def divergences(target, prompts, got, want):
 
 
 def test_plain_decoding_equals_hf_generate(setup):
-    target, prompts, eos, plain = setup
+    """HF generate on the same model object: called without a static step, the static
+    attention runs transformers' sdpa attention."""
+    target, _, prompts, eos, plain = setup
     for prompt, ours in zip(prompts, plain):
         ids = torch.tensor([prompt])
         with torch.inference_mode():
@@ -58,10 +60,10 @@ def test_plain_decoding_equals_hf_generate(setup):
 @pytest.mark.parametrize("drafter", ["ngram", "draft_model"])
 @pytest.mark.parametrize("k", [1, 4])
 def test_speculative_greedy_equals_plain_greedy(setup, drafter, k):
-    target, prompts, eos, plain = setup
+    target, static, prompts, eos, plain = setup
     make = (lambda: NgramDrafter()) if drafter == "ngram" else (lambda: ModelDrafter(first_layers_draft(target.model, 4)))
-    got = [speculative_decode(target.model, make(), [p], num_draft_tokens=k, max_new_tokens=MAX_NEW_TOKENS,
-                              eos_ids=eos, pad_id=target.tokenizer.pad_token_id).tokens[0] for p in prompts]
+    got = [speculative_decode(static, make(), [p], num_draft_tokens=k, max_new_tokens=MAX_NEW_TOKENS,
+                              eos_ids=eos).tokens[0] for p in prompts]
     found = divergences(target, prompts, got, plain)
     if found:
         print(f"{drafter} k={k}: divergences at exact logit ties (position, tie): {found}")
@@ -69,31 +71,28 @@ def test_speculative_greedy_equals_plain_greedy(setup, drafter, k):
 
 
 def test_batched_speculative_greedy_equals_plain_greedy(setup):
-    target, prompts, eos, plain = setup
-    got = speculative_decode(target.model, ModelDrafter(first_layers_draft(target.model, 4)), prompts,
-                             num_draft_tokens=4, max_new_tokens=MAX_NEW_TOKENS, eos_ids=eos,
-                             pad_id=target.tokenizer.pad_token_id).tokens
+    target, static, prompts, eos, plain = setup
+    got = speculative_decode(static, ModelDrafter(first_layers_draft(target.model, 4)), prompts,
+                             num_draft_tokens=4, max_new_tokens=MAX_NEW_TOKENS, eos_ids=eos).tokens
     found = divergences(target, prompts, got, plain)
     assert all(tie for _, tie in found), found
 
 
 def test_decode_layout_keeps_greedy_outputs(setup):
-    """The eval stage's decode layout (kernels/linear.py: small-batch products, oneDNN from 3 rows;
-    kernels/gqa_attention.py: grouped-query attention without cache copies) keeps greedy outputs."""
+    """The eval stage's decode layout (kernels/linear.py: small-batch products, oneDNN from 3 rows)
+    keeps greedy outputs, in plain and batched speculative decoding over the static attention
+    (which reads the grouped key/value heads without copies)."""
     import copy
 
-    from pipeline.kernels.gqa_attention import gqa_attention
     from pipeline.kernels.linear import decode_layout
 
-    target, prompts, eos, plain = setup
+    target, _, prompts, eos, plain = setup
     model = copy.deepcopy(target.model)
     draft = first_layers_draft(target.model, 4)
     assert decode_layout(model) > 0 and decode_layout(draft) > 0
-    assert gqa_attention(model) and gqa_attention(draft)
-    pad = target.tokenizer.pad_token_id
-    relaid = [plain_decode(model, [p], max_new_tokens=MAX_NEW_TOKENS, eos_ids=eos, pad_id=pad).tokens[0]
-              for p in prompts]
+    static = StaticModel(model)
+    relaid = [plain_decode(static, [p], max_new_tokens=MAX_NEW_TOKENS, eos_ids=eos).tokens[0] for p in prompts]
     assert all(tie for _, tie in divergences(target, prompts, relaid, plain))
-    got = speculative_decode(model, ModelDrafter(draft), prompts, num_draft_tokens=4, max_new_tokens=MAX_NEW_TOKENS,
-                             eos_ids=eos, pad_id=pad).tokens
+    got = speculative_decode(static, ModelDrafter(draft), prompts, num_draft_tokens=4, max_new_tokens=MAX_NEW_TOKENS,
+                             eos_ids=eos).tokens
     assert all(tie for _, tie in divergences(target, prompts, got, relaid))

@@ -1,8 +1,9 @@
-"""The decoder's fast path (static caches, fixed shapes, fused acceptance) on CPU: the same
-code that CUDA replays from graphs. Greedy outputs equal plain decoding for every fast
+"""The decoder (static caches, fixed shapes, fused acceptance) on CPU: the same code that CUDA
+replays from graphs. Greedy outputs equal plain decoding (itself HF generate's) for every
 drafter and k, rows of a batch at different lengths; the caches are kept across calls; the
 Triton kernels (interpreted here) give the same outputs as the PyTorch references; a model
-switched to the static attention still runs transformers' own paths without it."""
+switched to the static attention still runs transformers' own paths without it; continuous
+batching answers as plain decoding does."""
 
 import copy
 
@@ -10,63 +11,65 @@ import pytest
 import torch
 
 from conftest import tiny_llama
-from pipeline.decode import plain_decode
-from pipeline.decode.draft_model import FastModelDrafter
-from pipeline.decode.fast import continuous_decode, fast_decode
-from pipeline.decode.ngram import FastNgramDrafter
+from pipeline.decode import (ModelDrafter, NgramDrafter, StaticModel, continuous_decode, plain_decode,
+                             speculative_decode)
 from pipeline.decode.prepare import restrict_vocabulary
-from pipeline.decode.static_kv import Replay, StaticCache, StaticModel, use_static_attention
+from pipeline.decode.static_kv import ATTENTION, Replay, StaticCache
 
 EOS = 31
 PROMPTS = [[3, 7, 1, 9, 3, 7], [5, 2], [8, 8, 8, 1, 2, 3, 4, 5, 6, 7, 8]]
 
 
-def static(model):
-    use_static_attention(model)
-    return model
-
-
 def plain_outputs(target, prompts, max_new_tokens=30):
-    return [plain_decode(target, [p], max_new_tokens=max_new_tokens, eos_ids={EOS}, pad_id=0).tokens[0]
-            for p in prompts]
+    """Each prompt decoded alone."""
+    static = StaticModel(target)
+    return [plain_decode(static, [p], max_new_tokens=max_new_tokens, eos_ids={EOS}).tokens[0] for p in prompts]
 
 
 @pytest.fixture(scope="module")
 def target_and_plain():
     target = tiny_llama(0)
     expected = plain_outputs(target, PROMPTS)
-    return static(target), expected
+    assert target.config._attn_implementation == ATTENTION  # StaticModel switched it
+    return target, expected
 
 
 def drafter_of(kind: str, target):
     if kind == "ngram":
-        return FastNgramDrafter()
+        return NgramDrafter()
     if kind == "draft_model":
-        return FastModelDrafter(static(tiny_llama(1, layers=1)))
+        return ModelDrafter(tiny_llama(1, layers=1))
     if kind == "self":  # the target drafting for itself: every proposal is accepted
-        return FastModelDrafter(static(copy.deepcopy(target)))
+        return ModelDrafter(copy.deepcopy(target))
     if kind == "draft_vocab":  # proposals from half the vocabulary
         draft = copy.deepcopy(target)
         restrict_vocabulary(draft, torch.arange(0, 32, 2))
-        return FastModelDrafter(static(draft))
+        return ModelDrafter(draft)
     if kind == "stopping":  # chains that end at the draft's first unsure token
-        return FastModelDrafter(static(copy.deepcopy(target)), confidence_threshold=0.04)
+        return ModelDrafter(copy.deepcopy(target), confidence_threshold=0.04)
     raise ValueError(kind)
 
 
-def test_plain_fast_decoding_equals_plain_decoding(target_and_plain):
+def test_batched_plain_decoding_equals_each_prompt_alone_and_hf_generate(target_and_plain):
     target, expected = target_and_plain
-    out = fast_decode(StaticModel(target, graphs=False), None, PROMPTS, num_draft_tokens=0, max_new_tokens=30,
-                      eos_ids={EOS})
+    out = speculative_decode(StaticModel(target, graphs=False), None, PROMPTS, num_draft_tokens=0,
+                             max_new_tokens=30, eos_ids={EOS})
     assert out.tokens == expected
-    assert out.tau == 1.0
+    assert out.tau == 1.0 and out.proposed_by_position == []
+    assert plain_decode(StaticModel(target), PROMPTS, max_new_tokens=30, eos_ids={EOS}).tokens == expected
+    fresh = tiny_llama(0)  # transformers' own attention, never switched
+    for prompt, want in zip(PROMPTS, expected):
+        with torch.inference_mode():
+            hf = fresh.generate(torch.tensor([prompt]), max_new_tokens=30, do_sample=False, eos_token_id=EOS,
+                                pad_token_id=0)[0, len(prompt):].tolist()
+        assert want == (hf[: hf.index(EOS) + 1] if EOS in hf else hf)
 
 
 @pytest.mark.parametrize("k", [1, 3, 5])
 @pytest.mark.parametrize("kind", ["ngram", "draft_model", "self", "draft_vocab", "stopping"])
-def test_greedy_fast_speculative_decoding_equals_plain_decoding(target_and_plain, kind, k):
+def test_greedy_speculative_decoding_equals_plain_decoding(target_and_plain, kind, k):
     target, expected = target_and_plain
-    out = fast_decode(StaticModel(target, graphs=False), drafter_of(kind, target), PROMPTS, num_draft_tokens=k,
+    out = speculative_decode(StaticModel(target, graphs=False), drafter_of(kind, target), PROMPTS, num_draft_tokens=k,
                       max_new_tokens=30, eos_ids={EOS})
     assert out.tokens == expected
     if kind == "self":
@@ -89,8 +92,8 @@ def test_end_of_turn_and_max_new_tokens_inside_an_accepted_chain(target_and_plai
                    and all(t not in o for o in outputs[1:]))
     expected = [o[: o.index(eos) + 1] if eos in o else o for o in outputs]
     drafter = drafter_of("self", target)
-    out = fast_decode(StaticModel(target, graphs=False), drafter, PROMPTS, num_draft_tokens=4, max_new_tokens=12,
-                      eos_ids={eos})
+    out = speculative_decode(StaticModel(target, graphs=False), drafter, PROMPTS, num_draft_tokens=4,
+                             max_new_tokens=12, eos_ids={eos})
     assert out.tokens == expected
     assert len(out.tokens[0]) == at + 1 < 12 and max(map(len, out.tokens)) == 12
 
@@ -98,19 +101,19 @@ def test_end_of_turn_and_max_new_tokens_inside_an_accepted_chain(target_and_plai
 def test_caches_are_kept_across_calls_and_grow_when_needed(target_and_plain):
     target, expected = target_and_plain
     fast = StaticModel(target, graphs=False)
-    drafter = FastModelDrafter(static(tiny_llama(1, layers=1)))
-    fast_decode(fast, drafter, PROMPTS, num_draft_tokens=3, max_new_tokens=30, eos_ids={EOS})
+    drafter = ModelDrafter(tiny_llama(1, layers=1))
+    speculative_decode(fast, drafter, PROMPTS, num_draft_tokens=3, max_new_tokens=30, eos_ids={EOS})
     cache, draft_cache, replay = fast.cache, drafter.static.cache, fast.replay(4)[0]
-    again = fast_decode(fast, drafter, PROMPTS[::-1], num_draft_tokens=3, max_new_tokens=30, eos_ids={EOS})
+    again = speculative_decode(fast, drafter, PROMPTS[::-1], num_draft_tokens=3, max_new_tokens=30, eos_ids={EOS})
     assert again.tokens == expected[::-1]
     assert fast.cache is cache and drafter.static.cache is draft_cache and fast.replay(4)[0] is replay
-    longer = fast_decode(fast, drafter, PROMPTS, num_draft_tokens=3, max_new_tokens=300, eos_ids={EOS})
+    longer = speculative_decode(fast, drafter, PROMPTS, num_draft_tokens=3, max_new_tokens=300, eos_ids={EOS})
     assert fast.max_len >= 300 and fast.cache is not cache
     assert [t[:30] for t in longer.tokens] == expected
 
 
 def test_triton_kernels_give_the_same_outputs(target_and_plain, monkeypatch):
-    """The fast path with its Triton kernels (interpreted on CPU) decodes what it decodes with
+    """The decoder with its Triton kernels (interpreted on CPU) decodes what it decodes with
     the PyTorch references: the kernels CUDA runs are the ones this checks."""
     pytest.importorskip("triton")
     if not torch.cuda.is_available() and __import__("os").environ.get("TRITON_INTERPRET") != "1":
@@ -118,8 +121,8 @@ def test_triton_kernels_give_the_same_outputs(target_and_plain, monkeypatch):
     target, expected = target_and_plain
     monkeypatch.setenv("SPECDRAFT_KERNELS", "triton")
     prompts = PROMPTS[:2]
-    out = fast_decode(StaticModel(target, graphs=False), drafter_of("draft_model", target), prompts,
-                      num_draft_tokens=3, max_new_tokens=10, eos_ids={EOS})
+    out = speculative_decode(StaticModel(target, graphs=False), drafter_of("draft_model", target), prompts,
+                             num_draft_tokens=3, max_new_tokens=10, eos_ids={EOS})
     assert out.tokens == [e[:10] for e in expected[:2]]
 
 
@@ -155,8 +158,9 @@ def test_static_cache_moves_a_path_of_slots_per_row():
 
 
 def test_continuous_batching_answers_every_prompt_once_as_plain_decoding_does(target_and_plain):
-    """11 prompts through 3 rows: every prompt's answer (and its top-k logits) is plain
-    decoding's, each reported once, and rows are refilled rather than the batch shrinking."""
+    """11 prompts through 3 rows: every prompt's answer is plain decoding's and its top-k logits
+    are the target's (a teacher-forced forward of the answer), each reported once, and rows are
+    refilled rather than the batch shrinking."""
     target, _ = target_and_plain
     prompts = [PROMPTS[i % 3][: 2 + i % 5] + [i % 7 + 1] for i in range(11)]
     max_new, eos = 14, 22  # ends some answers early
@@ -165,11 +169,16 @@ def test_continuous_batching_answers_every_prompt_once_as_plain_decoding_does(ta
     fast = StaticModel(target, graphs=False)
     out = continuous_decode(fast, prompts, batch_size=3, max_new_tokens=max_new, eos_ids={eos}, topk=4,
                             on_done=lambda i, tokens: done.append(i))
+    alone = StaticModel(copy.deepcopy(fresh))
     for i, p in enumerate(prompts):
-        want = plain_decode(fresh, [p], max_new_tokens=max_new, eos_ids={eos}, pad_id=0, topk=4)
-        assert out.tokens[i] == want.tokens[0], i
-        assert torch.equal(out.topk_ids[i], want.topk_ids[0])
-        torch.testing.assert_close(out.topk_logits[i], want.topk_logits[0], atol=1e-4, rtol=1e-4)
+        want = plain_decode(alone, [p], max_new_tokens=max_new, eos_ids={eos}).tokens[0]
+        assert out.tokens[i] == want, i
+        with torch.inference_mode():  # the logits each emitted token was chosen from
+            logits = fresh(torch.tensor([p + want[:-1]])).logits[0, len(p) - 1 :].float()
+        values, ids = logits.topk(4, dim=-1)
+        assert out.topk_ids[i].dtype == torch.int32 and out.topk_ids[i].shape == (len(want), 4)
+        assert torch.equal(out.topk_ids[i], ids.to(torch.int32)), i
+        torch.testing.assert_close(out.topk_logits[i], values, atol=1e-4, rtol=1e-4)
     assert sorted(done) == list(range(11))
     assert any(len(t) < max_new for t in out.tokens)  # some answers ended at the end-of-turn token
     assert fast.batch == 3

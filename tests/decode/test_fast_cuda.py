@@ -1,4 +1,4 @@
-"""The fast path on a CUDA GPU, with CUDA graphs and the compiled Triton kernels (skipped
+"""The decoder on a CUDA GPU, with CUDA graphs and the compiled Triton kernels (skipped
 without CUDA; `make gpu-check` runs them): in fp32 with TF32 off greedy outputs equal plain
 decoding token for token; in bf16 every difference from plain bf16 decoding is at a near-tie;
 graph replays give what the same forwards give without graphs."""
@@ -9,11 +9,7 @@ import pytest
 import torch
 
 from conftest import tiny_llama
-from pipeline.decode import plain_decode
-from pipeline.decode.draft_model import FastModelDrafter
-from pipeline.decode.fast import fast_decode
-from pipeline.decode.ngram import FastNgramDrafter
-from pipeline.decode.static_kv import StaticModel, use_static_attention
+from pipeline.decode import ModelDrafter, NgramDrafter, StaticModel, plain_decode, speculative_decode
 from pipeline.eval.measure import tie_epsilon
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -30,36 +26,37 @@ def no_tf32():
 
 
 def on_gpu(model, dtype=torch.float32):
-    model = model.to("cuda", dtype)
-    use_static_attention(model)
-    return model
+    return model.to("cuda", dtype)  # StaticModel switches it to the static attention
 
 
 def drafters(target):
-    return {"ngram": FastNgramDrafter(),
-            "draft_model": FastModelDrafter(on_gpu(tiny_llama(1, layers=1)), graphs=True),
-            "self": FastModelDrafter(on_gpu(copy.deepcopy(target).float()), graphs=True)}
+    return {"ngram": NgramDrafter(),
+            "draft_model": ModelDrafter(on_gpu(tiny_llama(1, layers=1)), graphs=True),
+            "self": ModelDrafter(on_gpu(copy.deepcopy(target).float()), graphs=True)}
 
 
 @pytest.mark.parametrize("k", [1, 4])
 def test_fp32_graphs_equal_plain_decoding_token_for_token(k):
     target = on_gpu(tiny_llama(0))
-    expected = [plain_decode(target, [p], max_new_tokens=40, eos_ids={EOS}, pad_id=0).tokens[0] for p in PROMPTS]
+    alone = StaticModel(target, graphs=False)  # each prompt alone, without graphs
+    expected = [plain_decode(alone, [p], max_new_tokens=40, eos_ids={EOS}).tokens[0] for p in PROMPTS]
     fast = StaticModel(target, graphs=True)
-    assert fast_decode(fast, None, PROMPTS, num_draft_tokens=0, max_new_tokens=40, eos_ids={EOS}).tokens == expected
+    assert plain_decode(fast, PROMPTS, max_new_tokens=40, eos_ids={EOS}).tokens == expected
     for name, drafter in drafters(target).items():
-        out = fast_decode(fast, drafter, PROMPTS, num_draft_tokens=k, max_new_tokens=40, eos_ids={EOS})
+        out = speculative_decode(fast, drafter, PROMPTS, num_draft_tokens=k, max_new_tokens=40, eos_ids={EOS})
         assert out.tokens == expected, name
-    assert fast.replays[k + 1, 0][0].captured is not None  # the verification really was a graph replay
+    # the verification really was a graph replay, at the fixed width k + 1 (replay() returns the
+    # forward already made for that width, or a new one never captured)
+    assert fast.replay(k + 1)[0].captured is not None
 
 
 def test_graph_replays_equal_the_same_forwards_without_graphs():
     target = on_gpu(tiny_llama(0))
-    drafter = lambda graphs: FastModelDrafter(on_gpu(tiny_llama(1, layers=1)), graphs=graphs)
-    with_graphs = fast_decode(StaticModel(target, True), drafter(True), PROMPTS, num_draft_tokens=3,
-                              max_new_tokens=40, eos_ids={EOS})
-    without = fast_decode(StaticModel(target, False), drafter(False), PROMPTS, num_draft_tokens=3,
-                          max_new_tokens=40, eos_ids={EOS})
+    drafter = lambda graphs: ModelDrafter(on_gpu(tiny_llama(1, layers=1)), graphs=graphs)
+    with_graphs = speculative_decode(StaticModel(target, True), drafter(True), PROMPTS, num_draft_tokens=3,
+                                     max_new_tokens=40, eos_ids={EOS})
+    without = speculative_decode(StaticModel(target, False), drafter(False), PROMPTS, num_draft_tokens=3,
+                                 max_new_tokens=40, eos_ids={EOS})
     assert with_graphs.tokens == without.tokens
     assert with_graphs.accepted_by_position == without.accepted_by_position
 
@@ -69,11 +66,10 @@ def test_bf16_differences_from_plain_bf16_decoding_are_near_ties():
     from plain bf16 decoding, plain's top-2 logits there are within tie_epsilon(bf16)."""
     target = on_gpu(tiny_llama(0), torch.bfloat16)
     fast = StaticModel(target, graphs=True)
-    plain = fast_decode(fast, None, PROMPTS, num_draft_tokens=0, max_new_tokens=40, eos_ids={EOS}).tokens
+    plain = plain_decode(fast, PROMPTS, max_new_tokens=40, eos_ids={EOS}).tokens
     epsilon = tie_epsilon(torch.bfloat16)
-    for drafter in (FastNgramDrafter(), FastModelDrafter(on_gpu(tiny_llama(1, layers=1), torch.bfloat16),
-                                                         graphs=True)):
-        out = fast_decode(fast, drafter, PROMPTS, num_draft_tokens=4, max_new_tokens=40, eos_ids={EOS}).tokens
+    for drafter in (NgramDrafter(), ModelDrafter(on_gpu(tiny_llama(1, layers=1), torch.bfloat16), graphs=True)):
+        out = speculative_decode(fast, drafter, PROMPTS, num_draft_tokens=4, max_new_tokens=40, eos_ids={EOS}).tokens
         for prompt, want, got in zip(PROMPTS, plain, out):
             if want == got:
                 continue

@@ -12,12 +12,13 @@ import torch
 from scipy.stats import chisquare
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from pipeline.decode import ModelDrafter, NgramDrafter, speculative_decode
-from pipeline.kernels.linear import int8_linears
-from pipeline.decode.sampling import accept_sampling, process_logits
+from pipeline.decode import ModelDrafter, NgramDrafter, StaticModel, speculative_decode, tree_decode
 from pipeline.decode.prepare import restrict_vocabulary
+from pipeline.decode.sampling import process_logits
 from pipeline.heads import build_heads
-from pipeline.kinds import KINDS, DraftOptions, make_drafter
+from pipeline.kernels.acceptance import accept_sampling
+from pipeline.kernels.linear import int8_linears
+from pipeline.kinds import make_drafter
 
 VOCAB = 6
 HEAD_SETTINGS = {"medusa": dict(num_heads=2, num_layers=1), "eagle": dict(feature_layers=[0, 1], ttt_steps=1),
@@ -77,7 +78,8 @@ def test_accept_sampling_emits_p_for_any_q():
     n = 60_000
     draft = torch.multinomial(q, n, replacement=True, generator=gen)[:, None]  # [N, 1] sampled from q
     num_accepted, nxt = accept_sampling(draft, torch.ones(n, dtype=torch.long), q.expand(n, 1, VOCAB),
-                                        p.expand(n, 2, VOCAB), gen)
+                                        p.expand(n, 2, VOCAB), torch.rand((n, 1), generator=gen),
+                                        torch.rand(n, generator=gen))
     emitted_first = torch.where(num_accepted == 1, draft[:, 0], nxt)
     assert_matches(torch.bincount(emitted_first, minlength=VOCAB), p, "first token")
     # The acceptance rate is sum(min(p, q)) = 1 - TV(p, q).
@@ -111,77 +113,46 @@ def random_heads(kind: str, target):
     return heads.eval()
 
 
-@pytest.mark.parametrize("drafter_kind, k, temperature, top_p, threshold", [
-    ("draft_model", 2, 1.0, 1.0, 0.0),
-    ("draft_model", 4, 0.7, 0.9, 0.0),
-    ("draft_model", 3, 1.0, 1.0, 0.6),  # chains end at a sampled token of draft probability < 0.6
-    ("ngram", 3, 1.0, 1.0, 0.0),
-    ("draft_vocab", 2, 1.0, 1.0, 0.0),  # a draft proposing from 4 of the 6 tokens
-    ("draft_int8", 3, 1.0, 1.0, 0.0),  # a draft whose linear layers run in int8 (eval's CPU default)
-    ("medusa", 2, 1.0, 1.0, 0.0),
-    ("eagle", 3, 0.8, 0.95, 0.0),
-    ("eagle", 3, 1.0, 1.0, 0.3),
-    ("early_exit", 2, 1.0, 1.0, 0.0),
+@pytest.mark.parametrize("drafter_kind, k, temperature, top_p, threshold, fixed", [
+    ("plain", 0, 1.0, 1.0, 0.0, False),
+    ("draft_model", 2, 1.0, 1.0, 0.0, False),
+    ("draft_model", 4, 0.7, 0.9, 0.0, True),
+    ("draft_model", 3, 1.0, 1.0, 0.6, False),  # chains end at a sampled token of draft probability < 0.6
+    ("draft_model", 2, 0.7, 0.9, 0.6, True),
+    ("ngram", 3, 1.0, 1.0, 0.0, False),
+    ("ngram", 3, 1.0, 1.0, 0.0, True),
+    ("draft_vocab", 2, 1.0, 1.0, 0.0, False),  # a draft proposing from 4 of the 6 tokens
+    ("draft_int8", 3, 1.0, 1.0, 0.0, False),  # a draft whose linear layers run in int8 (eval's CPU default)
+    ("medusa", 2, 1.0, 1.0, 0.0, False),
+    ("eagle", 3, 0.8, 0.95, 0.0, True),
+    ("eagle", 3, 1.0, 1.0, 0.3, False),
+    ("early_exit", 2, 1.0, 1.0, 0.0, True),
 ])
-def test_speculative_sampling_matches_the_target_distribution(drafter_kind, k, temperature, top_p, threshold):
+def test_speculative_sampling_matches_the_target_distribution(drafter_kind, k, temperature, top_p, threshold, fixed):
+    """`fixed`: at the fixed shapes CUDA graphs need (every step verifies k drafts, chains draw k
+    tokens), else as a CPU runs (only what some row proposed). Both use the fused acceptance with
+    its inverse-CDF draw from the residual."""
     target = sharp_llama(0, scale=15.0)
     prompt = lookup_prompt(target)
     length, n = 3, 24_000
     gen = torch.Generator().manual_seed(1)
+    drafter = None
     if drafter_kind == "ngram":
         drafter = NgramDrafter(temperature=temperature, vocab_size=VOCAB)
     elif drafter_kind in HEAD_SETTINGS:
         drafter = make_drafter(drafter_kind, random_heads(drafter_kind, target), target, temperature=temperature,
-                               top_p=top_p, generator=gen, confidence_threshold=threshold)
-    else:
+                               top_p=top_p, generator=gen, confidence_threshold=threshold, fixed_shapes=fixed)
+    elif drafter_kind != "plain":
         draft = sharp_llama(7, scale=15.0)
         if drafter_kind == "draft_vocab":
             restrict_vocabulary(draft, torch.tensor([0, 2, 3, 5]))
         if drafter_kind == "draft_int8":
             assert int8_linears(draft) > 0
-        drafter = ModelDrafter(draft, temperature, top_p, gen, confidence_threshold=threshold)
+        drafter = ModelDrafter(draft, temperature, top_p, gen, confidence_threshold=threshold, fixed_shapes=fixed)
     # One batch of n identical prompts: rows are independent samples that accept different lengths.
-    out = speculative_decode(target, drafter, [prompt] * n, num_draft_tokens=k, max_new_tokens=length,
-                             eos_ids=set(), pad_id=0, temperature=temperature, top_p=top_p, generator=gen)
-    check_samples(out, target, prompt, temperature, top_p, threshold)
-
-
-@pytest.mark.parametrize("drafter_kind, k, temperature, top_p, threshold", [
-    ("plain", 0, 1.0, 1.0, 0.0),
-    ("draft_model", 3, 1.0, 1.0, 0.0),
-    ("draft_model", 2, 0.7, 0.9, 0.6),
-    ("ngram", 3, 1.0, 1.0, 0.0),
-    ("draft_vocab", 2, 1.0, 1.0, 0.0),
-    ("medusa", 2, 1.0, 1.0, 0.0),
-    ("eagle", 3, 0.8, 0.95, 0.0),
-    ("early_exit", 2, 1.0, 1.0, 0.0),
-])
-def test_fast_path_sampling_matches_the_target_distribution(drafter_kind, k, temperature, top_p, threshold):
-    """The same check on the fast path (static caches, the fused acceptance with its inverse-CDF
-    draw from the residual)."""
-    from pipeline.decode.draft_model import FastModelDrafter
-    from pipeline.decode.fast import fast_decode
-    from pipeline.decode.ngram import FastNgramDrafter
-    from pipeline.decode.static_kv import StaticModel, use_static_attention
-
-    target = sharp_llama(0, scale=15.0)
-    prompt = lookup_prompt(target)
-    use_static_attention(target)
-    gen = torch.Generator().manual_seed(1)
-    drafter = None
-    if drafter_kind == "ngram":
-        drafter = FastNgramDrafter(temperature=temperature, vocab_size=VOCAB)
-    elif drafter_kind in HEAD_SETTINGS:
-        options = DraftOptions(temperature=temperature, top_p=top_p, generator=gen, confidence_threshold=threshold)
-        drafter = KINDS[drafter_kind].fast(random_heads(drafter_kind, target), target, options)
-    elif drafter_kind != "plain":
-        draft = sharp_llama(7, scale=15.0)
-        if drafter_kind == "draft_vocab":
-            restrict_vocabulary(draft, torch.tensor([0, 2, 3, 5]))
-        use_static_attention(draft)
-        drafter = FastModelDrafter(draft, temperature, top_p, gen, confidence_threshold=threshold)
-    out = fast_decode(StaticModel(target, graphs=False), drafter, [prompt] * 24_000, num_draft_tokens=k,
-                      max_new_tokens=3, eos_ids=set(), temperature=temperature, top_p=top_p, generator=gen)
+    out = speculative_decode(StaticModel(target, fixed_shapes=fixed), drafter, [prompt] * n, num_draft_tokens=k,
+                             max_new_tokens=length, eos_ids=set(), temperature=temperature, top_p=top_p,
+                             generator=gen)
     check_samples(out, target, prompt, temperature, top_p, threshold, drafted=drafter is not None)
 
 
@@ -210,7 +181,7 @@ def check_samples(out, target, prompt, temperature, top_p, threshold, drafted=Tr
 def test_tree_acceptance_samples_the_target_distribution(temperature, top_p):
     """Walking a token tree (siblings tried in turn, each rejected token's mass removed)
     emits the target's distribution: the first token's, and the second's given the first."""
-    from pipeline.decode.tree import walk
+    from pipeline.decode.tree import sampling_walk_on_device
     from pipeline.decode.types import TreeProposal
 
     gen = torch.Generator().manual_seed(0)
@@ -223,8 +194,9 @@ def test_tree_acceptance_samples_the_target_distribution(temperature, top_p):
     first, second_after_0 = torch.zeros(VOCAB), torch.zeros(VOCAB)
     tokens = [-1] + tree.tokens.tolist()
     for _ in range(n):
-        path, following, _ = walk(tree, logits, temperature, top_p, gen)
-        emitted = [tokens[i] for i in path[1:]] + [following]
+        path, accepted, following, _ = sampling_walk_on_device(tree.tokens, tree.parents, logits, 2, temperature,
+                                                               top_p, gen)
+        emitted = [tokens[i] for i in path[1: 1 + int(accepted)].tolist()] + [int(following)]
         first[emitted[0]] += 1
         if emitted[0] == 0:
             second_after_0[emitted[1]] += 1
@@ -232,32 +204,21 @@ def test_tree_acceptance_samples_the_target_distribution(temperature, top_p):
     assert_matches(second_after_0, process_logits(logits[1], temperature, top_p), "second token after token 0")
 
 
-@pytest.mark.parametrize("fast", [False, True])
 @pytest.mark.parametrize("kind, temperature, top_p", [("medusa", 1.0, 1.0), ("eagle", 0.8, 0.95)])
-def test_tree_decoding_samples_the_target_distribution(kind, temperature, top_p, fast):
+def test_tree_decoding_samples_the_target_distribution(kind, temperature, top_p):
     """End to end through tree_decode: heads with random weights propose trees (Medusa's static
-    tree, EAGLE-2's dynamic one), one target pass verifies each, and the emitted tokens are
-    distributed as the target's own samples. Each prompt is decoded alone (batch size 1), so
-    fewer samples than the chain test: the power check is against a 4% error. `fast`: the same
-    on the fast path (the walk on the device: fast_tree_decode)."""
-    from pipeline.decode.static_kv import StaticModel, use_static_attention
-    from pipeline.decode.tree import fast_tree_decode, tree_decode
-
+    tree, EAGLE-2's dynamic one), one target pass verifies each, the walk runs on the device,
+    and the emitted tokens are distributed as the target's own samples. Each prompt is decoded
+    alone (batch size 1), so fewer samples than the chain test: the power check is against a 4%
+    error."""
     target = sharp_llama(0, scale=15.0)
     prompt = lookup_prompt(target)
     length, n = 2, 6_000
     gen = torch.Generator().manual_seed(1)
-    options = dict(temperature=temperature, top_p=top_p, generator=gen, tree_depth=2, tree_topk=2)
-    if fast:
-        use_static_attention(target)
-        drafter = KINDS[kind].fast(random_heads(kind, target), target, DraftOptions(**options))
-        out = fast_tree_decode(StaticModel(target, graphs=False), drafter, [prompt] * n, budget=4,
-                               max_new_tokens=length, eos_ids=set(), temperature=temperature, top_p=top_p,
-                               generator=gen)
-    else:
-        drafter = make_drafter(kind, random_heads(kind, target), target, **options)
-        out = tree_decode(target, drafter, [prompt] * n, budget=4, max_new_tokens=length, eos_ids=set(), pad_id=0,
-                          temperature=temperature, top_p=top_p, generator=gen)
+    drafter = make_drafter(kind, random_heads(kind, target), target, temperature=temperature, top_p=top_p,
+                           generator=gen, tree_depth=2, tree_topk=2)
+    out = tree_decode(StaticModel(target), drafter, [prompt] * n, budget=4, max_new_tokens=length, eos_ids=set(),
+                      temperature=temperature, top_p=top_p, generator=gen)
     accepted, proposed = out.accepted_by_position, out.proposed_by_position
     assert accepted[0] > n / 20 and proposed[0] - accepted[0] > n / 20, (proposed, accepted)
     seqs = torch.tensor(out.tokens)  # [N, length]
