@@ -74,10 +74,11 @@ def measure_here(args) -> dict:
     draft = load_draft(Path(args.draft), target) if args.draft else first_layers_draft(model, 4)
     drafts = {"draft_model": draft.eval()}
     heads = {}
-    for kind in HEADS:
+    for kind in (k for k in HEADS if any(name.startswith(k) for name, _ in METHODS)):
         trained = REPO / "runs" / (args.heads_run or "") / "heads" / kind
         heads[kind] = load_heads(trained, model) if args.heads_run and trained.is_dir() else random_heads(kind, model)
-    prepare_for_decoding(model, drafts, layout=True, compare_hf=False, heads=heads, int8=("draft_model", "medusa"))
+    int8 = tuple(name for name in ("draft_model", "medusa") if name in drafts or name in heads)
+    prepare_for_decoding(model, drafts, layout=True, compare_hf=False, heads=heads, int8=int8)
     settings = Settings(model=model, tokenizer=tok, eos_ids=set(eos_token_ids(target.generation_config, tok)),
                         max_new_tokens=args.max_new_tokens, drafting=DraftOptions(tree_depth=4, tree_topk=4))
     modules = {**drafts, **heads}
@@ -98,6 +99,7 @@ def run_side(root: Path, args) -> dict:
                    "--max-new-tokens", str(args.max_new_tokens)]
         command += ["--heads-run", args.heads_run] if args.heads_run else []
         command += ["--draft", args.draft] if args.draft else []
+        command += ["--methods", args.methods] if args.methods else []
         env = dict(os.environ, PYTHONPATH=str(root))
         subprocess.run(command, env=env, check=True, cwd=REPO)
         return json.loads(Path(out.name).read_text())
@@ -140,8 +142,12 @@ def main() -> None:
     parser.add_argument("--draft", default=None)
     parser.add_argument("--compare", default=None, help="a git ref whose decoder to measure against, interleaved")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--methods", default=None, help="comma-separated: measure only these (plain always)")
     parser.add_argument("--json-out", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.methods:
+        keep = {"plain", *args.methods.split(",")}
+        METHODS[:] = [m for m in METHODS if m[0] in keep]
     if args.compare:
         compare(args)
         return

@@ -153,7 +153,11 @@ def tree_decode(target: StaticModel, drafter, prompts: list[list[int]], *, budge
             else:
                 path, num_accepted, new, has_kids = sampling_walk_on_device(
                     proposal.tokens, proposal.parents, logits[0], max_depth, temperature, top_p, generator)
-            target.cache.move(inputs.start, path[None], len(path))
+            # The accepted path made contiguous (the root is in place already): without fixed
+            # shapes only as far as it goes, and not at all where no node was accepted.
+            moved = len(path) if target.fixed_shapes else int(num_accepted) + 1
+            if moved > 1:
+                target.cache.move(inputs.start, path[None], moved)
             node_tokens = torch.cat([inputs.tokens[0, :1], proposal.tokens])
             emitted = torch.cat([node_tokens[path[1:]], new[None]]).scatter(0, num_accepted[None], new[None])
             slots = (seqs.lengths + torch.arange(len(emitted), device=device)).clamp(max=target.max_len - 1)
