@@ -67,6 +67,7 @@ def speculative_decode(
         drafter.observe(features, torch.zeros_like(prompt_lengths), prompt_lengths)
     result = DecodeResult(rows.out, rows.passes, [0] * k, [0] * k)  # every draft position, verified or not
     active = torch.tensor([not d for d in done], device=device)
+    all_columns = torch.arange(k + 1, device=device)
     while not all(done):
         proposal = drafter.propose(seqs, k) if drafter is not None else None
         width = k  # draft tokens verified: all k at fixed shapes, else as many as some row proposed
@@ -74,7 +75,7 @@ def speculative_decode(
             width = int(proposal.num_proposed.max())
         verify, inputs = target.replay(width + 1, layers=layers)
         chunk, positions, start = inputs.tokens, inputs.positions, inputs.start
-        columns = torch.arange(width + 1, device=device)
+        columns = all_columns[: width + 1]
         start.copy_(seqs.lengths - 1)  # the target's cache holds all but the last committed token
         positions.copy_(start[:, None] + columns)
         chunk[:, :1] = seqs.tokens.gather(1, start[:, None])

@@ -133,8 +133,8 @@ def hf_decode(kind: str, settings: Settings, num_draft_tokens: Optional[int], dr
                      assistant_confidence_threshold=0.0)
     sampling = dict(do_sample=True, temperature=s.temperature, top_p=s.top_p, top_k=0) if s.temperature > 0 \
         else dict(do_sample=False)
-    config = GenerationConfig(max_new_tokens=s.max_new_tokens, eos_token_id=sorted(s.eos_ids), pad_token_id=s.tokenizer.pad_token_id,
-                              **sampling, **extra)
+    config = GenerationConfig(max_new_tokens=s.max_new_tokens, eos_token_id=sorted(s.eos_ids),
+                              pad_token_id=s.tokenizer.pad_token_id, **sampling, **extra)
     assistant = dict(assistant_model=draft_model) if kind == "hf_assisted" else {}
     model = s.hf_model if s.hf_model is not None else s.model
 
