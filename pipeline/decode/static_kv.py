@@ -65,36 +65,28 @@ def with_hidden_states(layers) -> dict:
 
 
 class StaticCache:
-    """Keys and values of every attention layer of `model`, preallocated: [B, Hkv, T, D] each,
-    views of one block per device ([2n, B, Hkv, T, D]: the keys of its n layers, then their
-    values), so that moving entries is one gather and one scatter per device, not two per layer."""
+    """Keys and values of every attention layer of `model`, preallocated: [B, Hkv, T, D] each."""
 
     def __init__(self, model: torch.nn.Module, batch_size: int, max_len: int, device: torch.device,
                  dtype: torch.dtype) -> None:
         config = model.config
         heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        shape = (batch_size, heads, max_len, head_dim)
         devices = layer_devices(model, config.num_hidden_layers, device)
-        self.keys: list[torch.Tensor] = [None] * len(devices)
-        self.values: list[torch.Tensor] = [None] * len(devices)
-        self.blocks = []
-        for where in dict.fromkeys(devices):  # each device once, in layer order
-            layers = [i for i, d in enumerate(devices) if d == where]
-            block = torch.zeros((2 * len(layers), batch_size, heads, max_len, head_dim), device=where, dtype=dtype)
-            for j, i in enumerate(layers):
-                self.keys[i], self.values[i] = block[j], block[len(layers) + j]
-            self.blocks.append(block)
+        self.keys = [torch.zeros(shape, device=d, dtype=dtype) for d in devices]
+        self.values = [torch.zeros(shape, device=d, dtype=dtype) for d in devices]
         self.max_len = max_len
 
     def move(self, start: torch.Tensor, source: torch.Tensor, count: int) -> None:
         """For each row b, copy the entries at slots start[b] + source[b, j] to start[b] + j
         (j < count; source [B, count], non-decreasing): a tree's accepted path made contiguous."""
-        src = (start[:, None] + source[:, :count])[None, :, None, :, None]  # [1, B, 1, count, 1]
-        dst = (start[:, None] + torch.arange(count, device=start.device))[None, :, None, :, None]
-        for block in self.blocks:
-            shape = (block.shape[0], block.shape[1], block.shape[2], count, block.shape[4])
-            index = src.to(block.device).expand(shape)
-            block.scatter_(3, dst.to(block.device).expand(shape), block.gather(3, index))
+        b = start.shape[0]
+        src = (start[:, None] + source[:, :count])[:, None, :, None]  # [B, 1, count, 1]
+        dst = (start[:, None] + torch.arange(count, device=start.device))[:, None, :, None]
+        for cache in (*self.keys, *self.values):
+            index = src.to(cache.device).expand(b, cache.shape[1], count, cache.shape[3])
+            cache.scatter_(2, dst.to(cache.device).expand_as(index), cache.gather(2, index))
 
 
 def layer_devices(model: torch.nn.Module, layers: int, default: torch.device) -> list[torch.device]:

@@ -147,11 +147,10 @@ def test_replay_without_graphs_calls_its_function_each_time():
 
 def test_static_cache_moves_a_path_of_slots_per_row():
     """A tree's accepted path (slots start + source[j]) made contiguous at start + j, per row,
-    in every layer's keys and values alike (one block holds them all)."""
+    in every layer's keys and values alike."""
     model = tiny_llama(0)
     cache = StaticCache(model, 2, 10, torch.device("cpu"), torch.float32)
     layers = (*cache.keys, *cache.values)
-    assert len(cache.blocks) == 1
     for i, layer in enumerate(layers):
         layer.copy_((torch.arange(10.0) + 100 * i)[None, None, :, None].expand_as(layer))
     cache.move(torch.tensor([2, 5]), torch.tensor([[0, 2, 3], [0, 1, 4]]), 3)
@@ -162,14 +161,13 @@ def test_static_cache_moves_a_path_of_slots_per_row():
 
 
 def test_a_split_target_keeps_each_layers_cache_beside_it():
-    """device_map targets: one cache block per device, each layer's keys and values in its own."""
+    """device_map targets: each layer's keys and values on its layer's device."""
     model = tiny_llama(0)
     model.model.layers[1:].to("meta")
     cache = StaticCache(model, 1, 8, torch.device("cpu"), torch.float32)
-    assert [b.device.type for b in cache.blocks] == ["cpu", "meta"]
     assert [k.device.type for k in cache.keys] == ["cpu"] + ["meta"] * (len(model.model.layers) - 1)
     assert [v.device.type for v in cache.values] == [k.device.type for k in cache.keys]
-    cache.move(torch.tensor([1]), torch.tensor([[0, 2]]), 2)  # runs on each device's block
+    cache.move(torch.tensor([1]), torch.tensor([[0, 2]]), 2)  # moves on each layer's device
 
 
 def test_continuous_batching_answers_every_prompt_once_as_plain_decoding_does(target_and_plain):
