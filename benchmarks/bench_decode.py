@@ -121,14 +121,17 @@ def compare(args) -> None:
     before, after = runs.values()
     print(f"\n{args.conversations} MT-bench conversations (both turns), {args.max_new_tokens} new tokens, greedy, "
           f"fp32, {args.rounds} rounds alternating (medians); chains k={K} (early exit 2), trees {BUDGET} nodes")
-    print("| method | τ before | τ after | same tokens | tokens/s before | tokens/s after | after / before |")
-    print("|---|---:|---:|---|---:|---:|---:|")
+    print("| method | τ before | τ after | same tokens | tokens/s before | tokens/s after | after / before "
+          "| per round (min–max) |")
+    print("|---|---:|---:|---|---:|---:|---:|---:|")
     for name, _ in METHODS:
         b = statistics.median(r[name]["tokens_per_s"] for r in before)
         a = statistics.median(r[name]["tokens_per_s"] for r in after)
+        rounds = [y[name]["tokens_per_s"] / x[name]["tokens_per_s"] for x, y in zip(before, after)]
         tau = lambda rs: f"{rs[0][name]['tau']:.2f}" if rs[0][name]["tau"] else "–"
         same = "yes" if before[0][name]["outputs"] == after[0][name]["outputs"] else "**no**"
-        print(f"| {name} | {tau(before)} | {tau(after)} | {same} | {b:.2f} | {a:.2f} | {a / b:.3f}x |")
+        print(f"| {name} | {tau(before)} | {tau(after)} | {same} | {b:.2f} | {a:.2f} | {a / b:.3f}x "
+              f"| {min(rounds):.3f}–{max(rounds):.3f} |")
     speed = lambda rs, n: statistics.median(r[n]["tokens_per_s"] / r["plain"]["tokens_per_s"] for r in rs)
     print("\nspeedup over plain decoding in the same run (median): "
           + ", ".join(f"{n} {speed(before, n):.2f}x -> {speed(after, n):.2f}x" for n, _ in METHODS[1:]))

@@ -121,15 +121,18 @@ def continuous_decode(
     temperature: float = 0.0, top_p: float = 1.0, generator: Optional[torch.Generator] = None, topk: int = 0,
     refill_fraction: float = 0.25, on_done: Optional[Callable[[int, list[int]], None]] = None,
 ) -> DecodeResult:
-    """Plain decoding of many prompts through a fixed batch of rows (continuous batching): a row
-    whose answer ended takes the next prompt from the queue instead of the batch shrinking, so
-    every step is the same captured forward at full width.
+    """Plain decoding of many prompts through a batch of rows (continuous batching): a row
+    whose answer ended takes the next prompt from the queue. Refilled prompts are prefilled in
+    one forward and copied into their rows' cache slots.
 
-    Free rows are refilled together once `refill_fraction` of the batch is free (or nothing
-    else is decoding): their prompts are prefilled in one forward and copied into their
-    cache slots. topk > 0 also keeps the target's top-k raw logits at every emitted token (a
-    distillation teacher for free: no second, teacher-forced pass). on_done(prompt index, its
-    tokens) is called as each answer ends.
+    At fixed shapes (graphs) every step is the same captured forward at full width, and free
+    rows are refilled together once `refill_fraction` of the batch is free (or nothing else is
+    decoding). Otherwise (a CPU) no step computes a row nobody reads: a finished row leaves at
+    once (the last row computed takes its place) and free rows are refilled after each step.
+
+    topk > 0 also keeps the target's top-k raw logits at every emitted token (a distillation
+    teacher for free: no second, teacher-forced pass). on_done(prompt index, its tokens) is
+    called as each answer ends.
     """
     n, b = len(prompts), min(batch_size, len(prompts))
     target.ready(b, max(map(len, prompts)) + max_new_tokens + 2)
@@ -144,6 +147,20 @@ def continuous_decode(
     alive = torch.zeros(b, dtype=torch.bool, device=device)
     step, inputs = target.replay(1)
     chunk, positions, start = inputs.tokens, inputs.positions, inputs.start
+    refill_at = refill_fraction * b if target.fixed_shapes else 1
+    live = b  # rows [0, live) are computed (all of them at fixed shapes)
+
+    def leave(r: int) -> None:
+        """Free row r leaves the batch: the last row computed takes its place."""
+        nonlocal live
+        last = live - 1
+        if r != last:
+            length = int(seqs.lengths[last])
+            target.cache.copy_row(last, r, length)
+            seqs.tokens[r, :length] = seqs.tokens[last, :length]
+            seqs.lengths[r], alive[r], owner[r] = seqs.lengths[last], alive[last], owner[last]
+            owner[last], alive[last] = -1, False
+        live = last
 
     def refill(rows: list[int]) -> None:
         taken = [queue.pop() for _ in rows[: len(queue)]]
@@ -185,14 +202,19 @@ def continuous_decode(
             alive[torch.tensor(free, device=device)] = False
         if not any(o >= 0 for o in owner) and not queue:
             break
+        if not target.fixed_shapes:
+            for r in sorted(free, reverse=True):  # rows above r that finished have left already
+                leave(r)
         if any(o >= 0 for o in owner):  # the next token's logits of every row still decoding
             start.copy_(seqs.lengths - 1)
             positions.copy_(start[:, None])
             chunk.copy_(seqs.tokens.gather(1, start[:, None]))
-            logits.copy_(step()[:, -1])
-        empty = [r for r in range(b) if owner[r] < 0]
-        if queue and empty and (len(empty) >= refill_fraction * b or len(empty) == b):
+            inputs.rows = live
+            logits[:live] = step()[:, -1]
+        empty = [r for r in range(b) if owner[r] < 0]  # without fixed shapes: rows live..b-1
+        if queue and empty and (len(empty) >= refill_at or len(empty) == b):
             refill(empty)
+            live = b if target.fixed_shapes else sum(o >= 0 for o in owner)
     result = DecodeResult(out, [len(o) for o in out])
     if topk:
         result.topk_ids = [torch.stack([i for i, _ in row]) for row in top]

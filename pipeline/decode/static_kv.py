@@ -78,6 +78,11 @@ class StaticCache:
         self.values = [torch.zeros(shape, device=d, dtype=dtype) for d in devices]
         self.max_len = max_len
 
+    def copy_row(self, source: int, dest: int, length: int) -> None:
+        """Row `source`'s first `length` slots into row `dest` (a finished row's place taken)."""
+        for cache in (*self.keys, *self.values):
+            cache[dest, :, :length] = cache[source, :, :length]
+
     def move(self, start: torch.Tensor, source: torch.Tensor, count: int) -> None:
         """For each row b, copy the entries at slots start[b] + source[b, j] to start[b] + j
         (j < count; source [B, count], non-decreasing): a tree's accepted path made contiguous."""
@@ -118,6 +123,9 @@ class Inputs:
     mask: Optional[torch.Tensor] = None
     """[B, 1, W, T] bool: every slot each new token sees, where neither a chain nor a tree says
     it (EAGLE's tree expansion: a node sees its ancestors written by earlier steps)."""
+    rows: Optional[int] = None
+    """Without graphs: compute only the first `rows` rows (the others idle); None (what
+    StaticModel.replay() sets): every row."""
 
 
 @dataclass
@@ -149,9 +157,9 @@ def static_attention(module, query, key, value, attention_mask, dropout: float =
 
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
-    keys = static_step.cache.keys[module.layer_idx]  # [B, Hkv, T, D]
-    values = static_step.cache.values[module.layer_idx]
     b, hkv, w, d = key.shape
+    keys = static_step.cache.keys[module.layer_idx][:b]  # [B, Hkv, T, D]: the rows computed
+    values = static_step.cache.values[module.layer_idx][:b]
     start = static_step.start.to(key.device)  # a no-op unless the target is split across devices
     slots = (start[:, None] + torch.arange(w, device=key.device))[:, None, :, None]  # [B, 1, W, 1]
     slots = slots.expand(b, hkv, w, d)
@@ -276,6 +284,7 @@ class StaticModel:
                             torch.zeros((self.batch, 1, width, self.max_len), dtype=torch.bool, device=self.device)
                             if mask else None)
             self.replays[key] = (Replay(self._forward(inputs, logits_to_keep, layers), self.graphs, self.pool), inputs)
+        self.replays[key][1].rows = None
         return self.replays[key]
 
     def _forward(self, inputs: Inputs, logits_to_keep: int, layers: tuple[int, ...]) -> Callable[[], object]:
@@ -283,9 +292,16 @@ class StaticModel:
         width = inputs.tokens.shape[1]
 
         def forward(**extra):
-            if not self.graphs:  # no shape to keep: attention reads only the slots some row uses
-                step.visible, step.built = int(inputs.start.max()) + width, None
-            return static_forward(self.model, inputs.tokens, inputs.positions, step, logits_to_keep, **extra)
+            if self.graphs:
+                return static_forward(self.model, inputs.tokens, inputs.positions, step, logits_to_keep, **extra)
+            # no shape to keep: only the rows asked for, attention reads only the slots they use
+            rows = slice(inputs.rows)
+            step.start = inputs.start[rows]
+            step.mask = inputs.mask[rows] if inputs.mask is not None else None
+            step.visible, step.built = int(step.start.max()) + width, None
+            return static_forward(self.model, inputs.tokens[rows], inputs.positions[rows], step, logits_to_keep,
+                                  **{name: value[rows] if torch.is_tensor(value) else value
+                                     for name, value in extra.items()})
 
         if inputs.features is not None:
             def fn():

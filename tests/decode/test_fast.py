@@ -170,18 +170,30 @@ def test_a_split_target_keeps_each_layers_cache_beside_it():
     cache.move(torch.tensor([1]), torch.tensor([[0, 2]]), 2)  # moves on each layer's device
 
 
-def test_continuous_batching_answers_every_prompt_once_as_plain_decoding_does(target_and_plain):
+@pytest.mark.parametrize("fixed_shapes", [False, True])
+def test_continuous_batching_answers_every_prompt_once_as_plain_decoding_does(target_and_plain, fixed_shapes):
     """11 prompts through 3 rows: every prompt's answer is plain decoding's and its top-k logits
-    are the target's (a teacher-forced forward of the answer), each reported once, and rows are
-    refilled rather than the batch shrinking."""
+    are the target's (a teacher-forced forward of the answer), each reported once. At fixed
+    shapes every step computes all 3 rows; otherwise only rows still decoding, one per token
+    emitted after a prompt's first."""
     target, _ = target_and_plain
     prompts = [PROMPTS[i % 3][: 2 + i % 5] + [i % 7 + 1] for i in range(11)]
     max_new, eos = 14, 22  # ends some answers early
     fresh = tiny_llama(0)
-    done = []
-    fast = StaticModel(target, graphs=False)
-    out = continuous_decode(fast, prompts, batch_size=3, max_new_tokens=max_new, eos_ids={eos}, topk=4,
-                            on_done=lambda i, tokens: done.append(i))
+    done, steps = [], []
+    fast = StaticModel(target, graphs=False, fixed_shapes=fixed_shapes)
+    hook = target.model.embed_tokens.register_forward_pre_hook(
+        lambda _, args: steps.append(args[0].shape[0]) if args[0].shape[1] == 1 else None)
+    try:
+        out = continuous_decode(fast, prompts, batch_size=3, max_new_tokens=max_new, eos_ids={eos}, topk=4,
+                                on_done=lambda i, tokens: done.append(i))
+    finally:
+        hook.remove()
+    emitted = sum(map(len, out.tokens))
+    if fixed_shapes:
+        assert set(steps) == {3} and len(steps) >= (emitted - len(prompts)) / 3
+    else:
+        assert sum(steps) == emitted - len(prompts) and min(steps) < 3
     alone = StaticModel(copy.deepcopy(fresh))
     for i, p in enumerate(prompts):
         want = plain_decode(alone, [p], max_new_tokens=max_new, eos_ids={eos}).tokens[0]
