@@ -18,7 +18,12 @@ turns for eval.engine_repeats repetitions. Per prompt set it reports:
   a draft model over its full vocabulary, an EAGLE-3 head over the target's features of every
   token known, then its own): equal counts mean the engine runs the draft we trained;
 - answers of llama.cpp's plain target that differ from ours (its target GGUF is quantized or
-  f16 against our fp32): counted and said, not an error.
+  f16 against our fp32): counted and said, not an error;
+- where answers differ with the draft, a control: those turns again on two fresh servers that
+  compute one token per micro-batch (`-ub 1`), so that verifying a draft runs the same kernels
+  as decoding one token. llama.cpp's CPU kernels give a batch of tokens slightly different
+  numbers than one token alone (llama.cpp#25618), and a near-tie can flip; answers equal under
+  the control mean the engine's drafting itself is lossless.
 """
 
 from __future__ import annotations
@@ -185,7 +190,25 @@ def check_llama_cpp(bundle, target, convs, max_turns: Optional[int], max_new_tok
                 answers.append(tok.decode(turn.tokens["plain"], skip_special_tokens=True))
                 turns.append(turn)
                 bar.update(1)
-    return summarize(turns, bundle, target.model, k, max_new_tokens, ours, eos_ids)
+    result = summarize(turns, bundle, target.model, k, max_new_tokens, ours, eos_ids)
+    differ = [t for t in turns if t.tokens["plain"] != t.tokens["draft"]]
+    if differ:
+        result["control"] = control(folder / engine["target"], threads, spec, differ, max_new_tokens)
+    return result
+
+
+CONTROL_FLAGS = ("-ub", "1")
+
+
+def control(target_gguf: Path, args: list[str], spec: list[str], turns: list[Turn], max_new_tokens: int) -> dict:
+    """`turns` again, plain and with the draft, every micro-batch one token (CONTROL_FLAGS on
+    both servers): how many answers still differ."""
+    flags = [*args, *CONTROL_FLAGS]
+    with llama_cpp.Server(target_gguf, flags) as plain, llama_cpp.Server(target_gguf, flags + spec) as drafted:
+        differ = sum(complete(plain, t.context, max_new_tokens)["tokens"]
+                     != complete(drafted, t.context, max_new_tokens)["tokens"]
+                     for t in tqdm(turns, desc="llama.cpp -ub 1", unit="turn", dynamic_ncols=True))
+    return dict(flags=" ".join(CONTROL_FLAGS), turns=len(turns), outputs_differ=differ)
 
 
 def summarize(turns: list[Turn], bundle, target: torch.nn.Module, k: int, max_new_tokens: int, ours: Optional[dict],
@@ -235,7 +258,10 @@ def table(result: dict) -> str:
              f"  {'llama-server plain':<24} {'1.00':>6} {result['plain_tokens_per_s']:>8.2f} {'1.00x':>9}",
              f"  {'llama-server + draft':<24} {tau:>6} {result['draft_tokens_per_s']:>8.2f} {result['speedup']:>8.2f}x",
              f"  our decoder's tau for the same draft and k: {ours}",
-             f"  outputs with the draft that differ from llama.cpp's plain: {result['outputs_differ']} of {result['turns']}",
+             f"  outputs with the draft that differ from llama.cpp's plain: {result['outputs_differ']} of {result['turns']}"
+             + (f"; of those, {c['outputs_differ']} of {c['turns']} still differ when every micro-batch is one token "
+                f"({c['flags']}: the same kernels verify a draft as decode one token)"
+                if (c := result.get("control")) else ""),
              f"  drafts accepted: {result['draft_n_accepted']} of {result['draft_n']} (llama.cpp)"
              + (f", {result['replay']['accepted']} of {result['replay']['drafted']} (our replay of its answers)"
                 if "replay" in result else "")]
