@@ -14,8 +14,9 @@ so they are rarely accepted) unless --heads-run names a run whose trained heads 
 
 --compare REF checks a refactor: it puts REF's pipeline/ in a git worktree and runs this
 script alternately with REF's and this checkout's package (the order flips each round), then
-prints, per method, the median tokens/s of each side over the rounds and their ratio, and
-whether both sides emitted the same tokens. The script uses only what both sides offer
+prints, per method, the median tokens/s of each side over the rounds and their ratio, the
+median of the rounds' own ratios (each round's two runs are adjacent in time, so this one
+cancels the machine's slow drift), and whether both sides emitted the same tokens. The script uses only what both sides offer
 (pipeline.eval.measure's make_decode and measure).
 """
 
@@ -122,8 +123,8 @@ def compare(args) -> None:
     print(f"\n{args.conversations} MT-bench conversations (both turns), {args.max_new_tokens} new tokens, greedy, "
           f"fp32, {args.rounds} rounds alternating (medians); chains k={K} (early exit 2), trees {BUDGET} nodes")
     print("| method | τ before | τ after | same tokens | tokens/s before | tokens/s after | after / before "
-          "| per round (min–max) |")
-    print("|---|---:|---:|---|---:|---:|---:|---:|")
+          "| paired (median) | per round (min–max) |")
+    print("|---|---:|---:|---|---:|---:|---:|---:|---:|")
     for name, _ in METHODS:
         b = statistics.median(r[name]["tokens_per_s"] for r in before)
         a = statistics.median(r[name]["tokens_per_s"] for r in after)
@@ -131,7 +132,7 @@ def compare(args) -> None:
         tau = lambda rs: f"{rs[0][name]['tau']:.2f}" if rs[0][name]["tau"] else "–"
         same = "yes" if before[0][name]["outputs"] == after[0][name]["outputs"] else "**no**"
         print(f"| {name} | {tau(before)} | {tau(after)} | {same} | {b:.2f} | {a:.2f} | {a / b:.3f}x "
-              f"| {min(rounds):.3f}–{max(rounds):.3f} |")
+              f"| {statistics.median(rounds):.3f}x | {min(rounds):.3f}–{max(rounds):.3f} |")
     speed = lambda rs, n: statistics.median(r[n]["tokens_per_s"] / r["plain"]["tokens_per_s"] for r in rs)
     print("\nspeedup over plain decoding in the same run (median): "
           + ", ".join(f"{n} {speed(before, n):.2f}x -> {speed(after, n):.2f}x" for n, _ in METHODS[1:]))
