@@ -16,8 +16,8 @@ so they are rarely accepted) unless --heads-run names a run whose trained heads 
 script alternately with REF's and this checkout's package (the order flips each round), then
 prints, per method, the median tokens/s of each side over the rounds and their ratio, the
 median of the rounds' own ratios (each round's two runs are adjacent in time, so this one
-cancels the machine's slow drift), and whether both sides emitted the same tokens. The script uses only what both sides offer
-(pipeline.eval.measure's make_decode and measure).
+cancels the machine's slow drift), and whether both sides emitted the same tokens. The script
+uses only what both sides offer (pipeline.eval.measure's make_decode and measure).
 """
 
 from __future__ import annotations

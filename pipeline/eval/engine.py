@@ -157,8 +157,7 @@ def check_llama_cpp(bundle, target, convs, max_turns: Optional[int], max_new_tok
     longest = max(len(first_prompt_ids(tok, c)) for c in convs)
     ctx = str(max(4096, 2 * (longest + max_new_tokens * (max_turns or 4)) + 512))
     threads = ["-t", str(torch.get_num_threads()), "-c", ctx, "-np", "1", "--no-warmup"]
-    spec = ["-md", str(folder / engine["draft"]), "--spec-type", engine["spec_type"], "--spec-draft-n-max", str(k),
-            *SPEC_FLAGS]
+    spec = spec_flags(folder, engine)
     turns: list[Turn] = []
     total = sum(min(len(c.user_turns), max_turns or len(c.user_turns)) for c in convs)
     with llama_cpp.Server(folder / engine["target"], threads) as plain, \
@@ -198,6 +197,12 @@ def check_llama_cpp(bundle, target, convs, max_turns: Optional[int], max_new_tok
 
 
 CONTROL_FLAGS = ("-ub", "1")
+
+
+def spec_flags(folder: Path, engine: dict) -> list[str]:
+    """llama-server's flags that add the bundle's draft (bundle.json's llama_cpp entry)."""
+    return ["-md", str(folder / engine["draft"]), "--spec-type", engine["spec_type"], "--spec-draft-n-max",
+            str(engine["num_draft_tokens"]), *SPEC_FLAGS]
 
 
 def control(target_gguf: Path, args: list[str], spec: list[str], turns: list[Turn], max_new_tokens: int) -> dict:

@@ -182,8 +182,7 @@ def test_llama_server_runs_the_exported_eagle_head_losslessly(draft_bundle, smol
     # the control for turns that differ: plain and drafted again, one token per micro-batch
     from pipeline.eval import engine as check
 
-    spec = ["-md", str(out / engine["draft"]), "--spec-type", engine["spec_type"], "--spec-draft-n-max",
-            str(engine["num_draft_tokens"]), *gguf.SPEC_FLAGS]
     turns = [check.Turn(context=list(range(40, 40 + n))) for n in (5, 23)]
-    assert check.control(out / engine["target"], ["-t", "2", "-c", "1024", "--no-warmup"], spec, turns, 16) == dict(
+    assert check.control(out / engine["target"], ["-t", "2", "-c", "1024", "--no-warmup"],
+                         check.spec_flags(out, engine), turns, 16) == dict(
         flags="-ub 1", turns=2, outputs_differ=0)
