@@ -18,6 +18,11 @@ prints, per method, the median tokens/s of each side over the rounds and their r
 median of the rounds' own ratios (each round's two runs are adjacent in time, so this one
 cancels the machine's slow drift), and whether both sides emitted the same tokens. The script
 uses only what both sides offer (pipeline.eval.measure's make_decode and measure).
+
+Each process measures which small-batch product (pipeline/kernels/linear.py) is fastest for
+each weight shape, and timing noise can make two processes choose differently; the table
+counts the shapes whose choice differs from the first round's. --product linear (or columns,
+onednn) pins one product on both sides, so rounds compare the decoders alone.
 """
 
 from __future__ import annotations
@@ -65,9 +70,12 @@ def measure_here(args) -> dict:
     from pipeline.distill.draft import first_layers_draft, load_draft
     from pipeline.eval.measure import Method, Settings, make_decode, measure
     from pipeline.heads.models import load_heads
+    from pipeline.kernels import linear
     from pipeline.kinds import DraftOptions
     from pipeline.models import load_target
 
+    if args.product:
+        linear.FORCE = args.product
     torch.manual_seed(0)
     target = load_target("smollm2_135m", device="cpu")
     model, tok = target.model.eval(), target.tokenizer
@@ -89,8 +97,10 @@ def measure_here(args) -> dict:
     for name, k in METHODS:
         make_decode(name, short, k, modules.get(name.removesuffix("_tree")))([first_prompt_ids(tok, convs[0])])
     results = measure(methods, convs, settings)
-    return {name: dict(tokens_per_s=m.total.tokens_per_s, tau=m.total.tau, tokens=m.total.tokens,
-                       seconds=m.total.seconds, outputs=m.outputs) for name, m in results.items()}
+    out = {name: dict(tokens_per_s=m.total.tokens_per_s, tau=m.total.tau, tokens=m.total.tokens,
+                      seconds=m.total.seconds, outputs=m.outputs) for name, m in results.items()}
+    out["products"] = {" ".join(map(str, key)): list(value) for key, value in linear._CHOICES.items()}
+    return out
 
 
 def run_side(root: Path, args) -> dict:
@@ -101,6 +111,7 @@ def run_side(root: Path, args) -> dict:
         command += ["--heads-run", args.heads_run] if args.heads_run else []
         command += ["--draft", args.draft] if args.draft else []
         command += ["--methods", args.methods] if args.methods else []
+        command += ["--product", args.product] if args.product else []
         env = dict(os.environ, PYTHONPATH=str(root))
         subprocess.run(command, env=env, check=True, cwd=REPO)
         return json.loads(Path(out.name).read_text())
@@ -133,6 +144,10 @@ def compare(args) -> None:
         same = "yes" if before[0][name]["outputs"] == after[0][name]["outputs"] else "**no**"
         print(f"| {name} | {tau(before)} | {tau(after)} | {same} | {b:.2f} | {a:.2f} | {a / b:.3f}x "
               f"| {statistics.median(rounds):.3f}x | {min(rounds):.3f}–{max(rounds):.3f} |")
+    first = before[0]["products"]
+    changed = [sum(r["products"].get(key) != choice for key, choice in first.items()) for r in before + after]
+    print(f"\nlinear products: {args.product or 'measured per process'}; weight shapes whose choice differs from "
+          f"the first round's, per run: {changed} of {len(first)}")
     speed = lambda rs, n: statistics.median(r[n]["tokens_per_s"] / r["plain"]["tokens_per_s"] for r in rs)
     print("\nspeedup over plain decoding in the same run (median): "
           + ", ".join(f"{n} {speed(before, n):.2f}x -> {speed(after, n):.2f}x" for n, _ in METHODS[1:]))
@@ -147,6 +162,8 @@ def main() -> None:
     parser.add_argument("--compare", default=None, help="a git ref whose decoder to measure against, interleaved")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--methods", default=None, help="comma-separated: measure only these (plain always)")
+    parser.add_argument("--product", choices=("linear", "columns", "onednn"), default=None,
+                        help="pin the CPU small-batch product on both sides (default: each process measures)")
     parser.add_argument("--json-out", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.methods:

@@ -144,8 +144,11 @@ class StaticStep:
     """Read only the first `visible` slots (at least every row's start + W), where the caller
     knows that count on the host (no graphs); None: all T, the fixed shape a graph replays."""
     built: Optional[torch.Tensor] = None
-    """With `visible`: the mask [B, 1, W, visible] the first layer built for the others (reset
-    before every forward)."""
+    """The mask [B, 1, W, visible] the first layer built for the others, from `mask` or (with
+    `visible`) from `start` and `tree` (reset before every forward)."""
+    slots: Optional[torch.Tensor] = None
+    """The cache slots [B, Hkv, W, D] the new keys and values go to, built by the first layer for
+    the others (reset before every forward, inside a captured graph too)."""
 
 
 def static_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
@@ -158,32 +161,42 @@ def static_attention(module, query, key, value, attention_mask, dropout: float =
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     b, hkv, w, d = key.shape
-    keys = static_step.cache.keys[module.layer_idx][:b]  # [B, Hkv, T, D]: the rows computed
-    values = static_step.cache.values[module.layer_idx][:b]
-    start = static_step.start.to(key.device)  # a no-op unless the target is split across devices
-    slots = (start[:, None] + torch.arange(w, device=key.device))[:, None, :, None]  # [B, 1, W, 1]
-    slots = slots.expand(b, hkv, w, d)
-    keys.scatter_(2, slots, key.to(keys.dtype))
-    values.scatter_(2, slots, value.to(values.dtype))
+    keys = static_step.cache.keys[module.layer_idx]  # [B, Hkv, T, D]
+    values = static_step.cache.values[module.layer_idx]
+    if keys.shape[0] != b:  # only the rows computed
+        keys, values = keys[:b], values[:b]
+    start = static_step.start
+    if start.device != key.device:  # a target split across devices
+        start = start.to(key.device)
+    slots = static_step.slots
+    if slots is None or slots.shape != key.shape or slots.device != key.device:  # built once per forward
+        slots = (start[:, None] + torch.arange(w, device=key.device))[:, None, :, None].expand(b, hkv, w, d)
+        static_step.slots = slots
+    keys.scatter_(2, slots, key if key.dtype == keys.dtype else key.to(keys.dtype))
+    values.scatter_(2, slots, value if value.dtype == values.dtype else value.to(values.dtype))
     scale = scaling if scaling is not None else d ** -0.5
     read = static_step.visible or keys.shape[2]
-    keys, values = keys[:, :, :read], values[:, :, :read]
+    if read != keys.shape[2]:
+        keys, values = keys[:, :, :read], values[:, :, :read]
+    gqa = query.shape[1] != keys.shape[1]
     if static_step.mask is not None:
-        out = F.scaled_dot_product_attention(query, keys, values, attn_mask=static_step.mask[..., :read].to(key.device),
-                                             scale=scale, enable_gqa=query.shape[1] != keys.shape[1])
+        if static_step.built is None or static_step.built.device != key.device:  # once per forward
+            static_step.built = static_step.mask[..., :read].to(key.device)
+        out = F.scaled_dot_product_attention(query, keys, values, attn_mask=static_step.built, scale=scale,
+                                             enable_gqa=gqa)
     elif w == 1 and b == 1 and static_step.visible is not None:  # one token that sees every slot read
         hq = query.shape[1]  # its query heads grouped by the key/value head they share: no mask, no copies
         out = F.scaled_dot_product_attention(query.reshape(b, hkv, hq // hkv, d), keys, values, scale=scale)
         out = out.reshape(b, hq, 1, d)
-    else:
+    elif static_step.visible is None or backend(query) == "triton":
         tree = static_step.tree.to(key.device) if static_step.tree is not None else None
-        if static_step.visible is None or backend(query) == "triton":
-            out = tree_attention(query, keys, values, start, tree, scale)  # [B, Hq, W, D]
-        else:  # no graph: the reference's mask once per forward, for every layer
-            if static_step.built is None or static_step.built.device != key.device:
-                static_step.built = visible_slots(start, tree, w, read)[:, None]
-            out = F.scaled_dot_product_attention(query, keys, values, attn_mask=static_step.built, scale=scale,
-                                                 enable_gqa=query.shape[1] != keys.shape[1])
+        out = tree_attention(query, keys, values, start, tree, scale)  # [B, Hq, W, D]
+    else:  # no graph: the reference's mask once per forward, for every layer
+        if static_step.built is None or static_step.built.device != key.device:
+            tree = static_step.tree.to(key.device) if static_step.tree is not None else None
+            static_step.built = visible_slots(start, tree, w, read)[:, None]
+        out = F.scaled_dot_product_attention(query, keys, values, attn_mask=static_step.built, scale=scale,
+                                             enable_gqa=gqa)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -292,13 +305,14 @@ class StaticModel:
         width = inputs.tokens.shape[1]
 
         def forward(**extra):
+            step.slots = step.built = None  # rebuilt by the first layer from this forward's inputs
             if self.graphs:
                 return static_forward(self.model, inputs.tokens, inputs.positions, step, logits_to_keep, **extra)
             # no shape to keep: only the rows asked for, attention reads only the slots they use
             rows = slice(inputs.rows)
             step.start = inputs.start[rows]
             step.mask = inputs.mask[rows] if inputs.mask is not None else None
-            step.visible, step.built = int(step.start.max()) + width, None
+            step.visible = int(step.start.max()) + width
             return static_forward(self.model, inputs.tokens[rows], inputs.positions[rows], step, logits_to_keep,
                                   **{name: value[rows] if torch.is_tensor(value) else value
                                      for name, value in extra.items()})
